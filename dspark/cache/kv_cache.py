@@ -1,0 +1,132 @@
+"""Paged KV cache: fixed pool of blocks, a block table per sequence, truncation for rejected drafts.
+
+Memory is bounded by the pool size chosen at start-up and reclaimed block by block when a
+sequence is truncated or freed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """Raised when the pool has too few free blocks for a reservation."""
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a ragged batch writes and reads K/V. B sequences, T new tokens, Q = max new per seq."""
+
+    slot_mapping: torch.Tensor  # [T] flat cache row written by each new token
+    kv_index: torch.Tensor  # [B, S] flat cache rows each sequence reads (padded)
+    mask: torch.Tensor  # [B, 1, Q, S] bool, True = may attend
+    q_index: torch.Tensor | None  # [T] row of each token in the padded [B*Q] layout; None when B == 1
+    num_seqs: int
+    max_q: int
+
+
+class KVCache:
+    """Per-layer K/V pools of shape [num_blocks * block_size, kv_heads, head_dim]."""
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if num_blocks < 1:
+            raise ValueError("KV cache needs at least one block")
+        rows = num_blocks * block_size
+        self.k = torch.zeros(num_layers, rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._tables: dict[Hashable, list[int]] = {}
+        self._lengths: dict[Hashable, int] = {}
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    # --- bookkeeping -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def length(self, seq: Hashable) -> int:
+        return self._lengths.get(seq, 0)
+
+    def blocks_needed(self, seq: Hashable, new_length: int) -> int:
+        have = len(self._tables.get(seq, ()))
+        return max(0, -(-new_length // self.block_size) - have)
+
+    def can_reserve(self, seq: Hashable, new_length: int) -> bool:
+        return self.blocks_needed(seq, new_length) <= len(self._free)
+
+    def reserve(self, seq: Hashable, new_length: int) -> None:
+        """Make room for `new_length` tokens of `seq` (allocating blocks); raises CacheFullError."""
+        need = self.blocks_needed(seq, new_length)
+        if need > len(self._free):
+            raise CacheFullError(f"need {need} KV blocks, {len(self._free)} free")
+        table = self._tables.setdefault(seq, [])
+        self._lengths.setdefault(seq, 0)
+        for _ in range(need):
+            table.append(self._free.pop())
+
+    def truncate(self, seq: Hashable, length: int) -> None:
+        """Forget every token of `seq` at or after `length`, returning whole blocks to the pool."""
+        if length > self._lengths.get(seq, 0):
+            raise ValueError(f"cannot truncate sequence {seq!r} of length {self.length(seq)} to {length}")
+        self._lengths[seq] = length
+        table = self._tables[seq]
+        keep = -(-length // self.block_size)
+        while len(table) > keep:
+            self._free.append(table.pop())
+
+    def free(self, seq: Hashable) -> None:
+        """Release all blocks of `seq`."""
+        for block in self._tables.pop(seq, []):
+            self._free.append(block)
+        self._lengths.pop(seq, None)
+
+    # --- batch metadata ----------------------------------------------------------------------
+    def prepare(self, seqs: Sequence[Hashable], query_lens: Sequence[int]) -> AttentionMetadata:
+        """Metadata for appending `query_lens[i]` tokens to each `seqs[i]` (room must be reserved).
+
+        Advances each sequence's length: the forward that uses this metadata writes those rows.
+        """
+        bs = self.block_size
+        starts = [self._lengths[s] for s in seqs]
+        totals = [st + q for st, q in zip(starts, query_lens)]
+        max_s, max_q = max(totals), max(query_lens)
+        rows = torch.zeros(len(seqs), max_s, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            table = torch.tensor(self._tables[s], dtype=torch.long)
+            pos = torch.arange(totals[i])
+            rows[i, : totals[i]] = table[pos // bs] * bs + pos % bs
+        slot_mapping = torch.cat([rows[i, st:tot] for i, (st, tot) in enumerate(zip(starts, totals))])
+        start_t = torch.tensor(starts).view(-1, 1, 1)
+        qlen_t = torch.tensor(query_lens).view(-1, 1, 1)
+        j = torch.arange(max_q).view(1, -1, 1)
+        s_idx = torch.arange(max_s).view(1, 1, -1)
+        # causal within each sequence; padded query rows copy the last real row (never all-masked)
+        mask = s_idx <= start_t + torch.minimum(j, qlen_t - 1)
+        q_index = None
+        if len(seqs) > 1:
+            q_index = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(query_lens)])
+            q_index = q_index.to(self.device)
+        for s, tot in zip(seqs, totals):
+            self._lengths[s] = tot
+        return AttentionMetadata(
+            slot_mapping=slot_mapping.to(self.device),
+            kv_index=rows.to(self.device),
+            mask=mask.unsqueeze(1).to(self.device),
+            q_index=q_index,
+            num_seqs=len(seqs),
+            max_q=max_q,
+        )

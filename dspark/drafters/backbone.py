@@ -1,0 +1,104 @@
+"""The DFlash-style parallel backbone: drafter layers whose K/V are [projected context ; block]."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.drafters.config import DrafterConfig
+from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
+
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: each [B, S, kv_heads, hd]
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """RoPE on x [B, T, heads, hd] at positions [B, T]."""
+    b, t, h, d = x.shape
+    cos, sin = rotary.cos_sin(positions.reshape(-1), x.dtype)
+    return apply_rotary(x.reshape(b * t, h, d), cos, sin).view(b, t, h, d)
+
+
+class DrafterAttention(nn.Module):
+    """Block queries attend to injected context K/V and to the block's own K/V, under a given mask."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def key_value(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> KV:
+        """K (normed, rotated) and V of x [B, T, d] at positions [B, T] -> each [B, T, kv_heads, hd]."""
+        b, t, _ = x.shape
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        return rope(k, positions, rotary), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: KV, mask: torch.Tensor,
+                rotary: Rotary) -> torch.Tensor:
+        """x [B, T, d] block states; ctx K/V [B, S, kvh, hd]; mask [B, T, S+T] bool (True = attend)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        q = rope(q, positions, rotary)
+        kb, vb = self.key_value(x, positions, rotary)
+        k = torch.cat([ctx[0], kb], dim=1).transpose(1, 2)  # [B, kvh, S+T, hd]
+        v = torch.cat([ctx[1], vb], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1),
+                                             enable_gqa=self.heads != self.kv_heads)  # [B, H, T, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm decoder layer: KV-injected attention then SwiGLU MLP."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: KV, mask: torch.Tensor,
+                rotary: Rotary) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d]."""
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx, mask, rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Context projection (fc + hidden_norm), the drafter layers and the final norm."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_context_layers * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)  # the "ctx_norm" of the brief
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        # Kept outside the module tree on purpose: .to(bf16) must not cast the fp32 RoPE table,
+        # and cos_sin() already follows the positions' device.
+        object.__setattr__(self, "rotary", Rotary(inv_freq))
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[KV]:
+        """Target features [B, S, m*d] at positions [B, S] -> per layer (K, V) [B, S, kvh, hd]."""
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return [layer.self_attn.key_value(ctx, positions, self.rotary) for layer in self.layers]
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: list[KV],
+                   mask: torch.Tensor) -> torch.Tensor:
+        """Block inputs x [B, T, d] at positions [B, T] -> final-normed hidden h [B, T, d]."""
+        for layer, kv in zip(self.layers, ctx):
+            x = layer(x, positions, kv, mask, self.rotary)
+        return self.norm(x)

@@ -1,0 +1,283 @@
+"""DSparkDrafter: parallel backbone + sequential head + confidence head, for training and inference."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dspark.drafters.backbone import Backbone
+from dspark.drafters.blocks import IGNORE, block_positions, draft_mask, gather_tokens, train_mask
+from dspark.drafters.cache import DrafterCache
+from dspark.drafters.config import DrafterConfig
+from dspark.drafters.heads import ConfidenceHead, MarkovHead
+from dspark.sampling.sampler import sample, warp_probs
+
+
+@dataclass
+class TrainOutput:
+    """Teacher-forced outputs for all anchored blocks."""
+
+    logits: torch.Tensor  # [B, A, gamma, Vd] fp32, base + sequential bias
+    base_logits: torch.Tensor  # [B, A, gamma, Vd] fp32, backbone only (U_k)
+    conf_logits: torch.Tensor | None  # [B, A, gamma] fp32; None without a confidence head
+
+
+@dataclass
+class DraftOutput:
+    """One block of drafts per request."""
+
+    tokens: torch.Tensor  # [R, gamma] int64 target-vocab ids x1..x_gamma
+    probs: torch.Tensor | None  # [R, gamma, V] fp32 distribution sampled from (one-hot if greedy); None: all greedy
+    logits: torch.Tensor  # [R, gamma, Vd] fp32 corrected logits (before warping)
+    conf_logits: torch.Tensor | None  # [R, gamma] fp32; None without a confidence head
+
+
+class DSparkDrafter(Backbone):
+    """The DSpark block drafter (DFlash when markov_rank=0 and confidence_head=False)."""
+
+    def __init__(self, config: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 d2t: torch.Tensor | None = None, *, dtype: torch.dtype | None = None):
+        super().__init__(config)
+        self.config = config
+        v, d = config.vocab_size, config.hidden_size
+        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+            if tuple(w.shape) != (v, d):
+                raise ValueError(f"{name} must be [{v}, {d}], got {list(w.shape)}")
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)  # frozen, the target's
+        if config.draft_vocab_size is None:
+            self.d2t = None
+            self.register_buffer("lm_head", lm_head_weight.detach(), persistent=False)
+        else:
+            d2t = _check_d2t(d2t, config).to(lm_head_weight.device)
+            self.register_buffer("d2t", d2t)  # [Vd] draft id -> target id; saved with the drafter
+            self.register_buffer("lm_head", lm_head_weight.detach()[d2t], persistent=False)
+            t2d = torch.full((v,), -1, dtype=torch.long, device=d2t.device)
+            self.register_buffer("t2d", t2d.index_copy(0, d2t, torch.arange(len(d2t), device=d2t.device)),
+                                 persistent=False)
+        r = config.markov_rank
+        self.markov_head = (MarkovHead(vocab_size=v, draft_vocab_size=config.draft_vocab, rank=r, hidden_size=d,
+                                       head_type=config.markov_head_type) if r > 0 else None)
+        self.confidence_head = ConfidenceHead(d + r) if config.confidence_head else None
+        self.metadata: dict[str, Any] = {}  # passthrough "dspark" dict of config.json (training recipe...)
+        self.sts_temperatures: list[float] | None = None
+        self.init_weights()
+        # One dtype for weights and the shared buffers (default: the target's), so no per-call casts.
+        self.to(device=embed_weight.device, dtype=dtype or embed_weight.dtype)
+
+    def forward(self, *args: Any, **kwargs: Any) -> TrainOutput:
+        """Alias of forward_train, so wrappers such as DDP see the training pass."""
+        return self.forward_train(*args, **kwargs)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """HF-style init of the drafter's own matrices: N(0, std), zero biases (norm weights keep 1)."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.normal_(0.0, std)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+
+    # ---- shared pieces -------------------------------------------------------------------------
+    def _block_hidden(self, block_ids: torch.Tensor, positions: torch.Tensor, ctx: list,
+                      mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block token ids [B, T] -> (hidden h [B, T, d], base logits U [B, T, Vd] fp32)."""
+        x = self.embed_weight[block_ids].to(self.fc.weight.dtype)
+        h = self.run_layers(x, positions, ctx, mask)
+        return h, (h @ self.lm_head.to(h.dtype).T).float()
+
+    def _block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
+        """[embed anchor, mask, ..., mask] ids: anchors [...] -> [..., gamma]."""
+        ids = torch.full((*anchors.shape, self.config.block_size), self.config.mask_token_id,
+                         dtype=torch.long, device=anchors.device)
+        ids[..., 0] = anchors
+        return ids
+
+    def to_target_vocab(self, x: torch.Tensor) -> torch.Tensor:
+        """Scatter a draft-vocab tensor [..., Vd] into target space [..., V] (zeros elsewhere)."""
+        if self.d2t is None:
+            return x
+        out = x.new_zeros(*x.shape[:-1], self.config.vocab_size)
+        return out.index_copy_(-1, self.d2t, x)
+
+    def draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Target-id labels -> draft-vocab ids (IGNORE where unsupervised or outside the draft vocab)."""
+        if self.d2t is None:
+            return labels
+        mapped = self.t2d[labels.clamp(min=0)]
+        return mapped.masked_fill((labels < 0) | (mapped < 0), IGNORE)
+
+    # ---- training ------------------------------------------------------------------------------
+    def forward_train(self, ctx_features: torch.Tensor, input_ids: torch.Tensor, anchor_pos: torch.Tensor,
+                      anchor_valid: torch.Tensor) -> TrainOutput:
+        """All A blocks of each sequence in one masked pass.
+
+        ctx_features [B, S, m*d] target features at every position; input_ids [B, S]; anchor_pos [B, A]
+        (block a = input_ids[anchor] + masks at anchor..anchor+gamma-1); anchor_valid [B, A] (only used
+        to keep padded anchors in range; the loss masks them via blocks.block_labels).
+        """
+        b, s = input_ids.shape
+        g = self.config.block_size
+        anchor_pos = torch.where(anchor_valid.bool(), anchor_pos, 0).clamp(0, s - 1)
+        ctx = self.context_kv(ctx_features, torch.arange(s, device=input_ids.device).expand(b, s))
+        positions = block_positions(anchor_pos, g)  # [B, A, gamma]
+        block_ids = self._block_ids(input_ids.gather(1, anchor_pos))  # [B, A, gamma]
+        mask = train_mask(anchor_pos, s, g)
+        h, base = self._block_hidden(block_ids.flatten(1), positions.flatten(1), ctx, mask)
+        prev = gather_tokens(input_ids, positions)  # teacher forcing: slot k sees x_k = input_ids[anchor+k]
+        h = h.view(*block_ids.shape, -1)  # [B, A, gamma, d]
+        base = base.view(*block_ids.shape, -1)
+        logits, conf = self._heads_teacher_forced(prev, h, base)
+        return TrainOutput(logits=logits, base_logits=base, conf_logits=conf)
+
+    def _heads_teacher_forced(self, prev: torch.Tensor, h: torch.Tensor,
+                              base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """prev ids [B, A, gamma], h [B, A, gamma, d], base [B, A, gamma, Vd] -> (logits, conf logits)."""
+        emb = None
+        logits = base
+        if self.markov_head is not None:
+            emb = self.markov_head.prev_embedding(prev)  # [B, A, gamma, r]
+            flat = self.markov_head.block_bias(emb.flatten(0, 1), h.flatten(0, 1))  # [B*A, gamma, Vd]
+            logits = base + flat.view_as(base).float()
+        conf = self.confidence_head(h, emb).float() if self.confidence_head is not None else None
+        return logits, conf
+
+    # ---- inference -----------------------------------------------------------------------------
+    def new_cache(self, capacity: int = 64) -> DrafterCache:
+        """An empty per-request context cache on the drafter's device and dtype."""
+        c = self.config
+        return DrafterCache(num_layers=c.num_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                            dtype=self.fc.weight.dtype, device=self.fc.weight.device, capacity=capacity)
+
+    @torch.no_grad()
+    def extend(self, cache: DrafterCache, target_hidden: torch.Tensor, start_pos: int) -> None:
+        """Add committed positions start_pos.. from target features [n, m*d] (drops any cached tail first)."""
+        if start_pos > cache.length:
+            raise ValueError(f"extend at position {start_pos} would leave a gap after {cache.length} cached")
+        cache.truncate(start_pos)
+        n = target_hidden.shape[0]
+        if n == 0:
+            return
+        pos = torch.arange(start_pos, start_pos + n, device=target_hidden.device).unsqueeze(0)
+        kv = self.context_kv(target_hidden.unsqueeze(0), pos)
+        cache.append([(k[0], v[0]) for k, v in kv])
+
+    @torch.no_grad()
+    def draft(self, caches: Sequence[DrafterCache], anchors: Sequence[int], anchor_pos: Sequence[int], *,
+              temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int] = -1,
+              top_p: float | Sequence[float] = 1.0,
+              generators: Sequence[torch.Generator | None] | None = None) -> DraftOutput:
+        """Draft one block for each of R requests; sampling params may be scalars or per request."""
+        r, g = len(caches), self.config.block_size
+        if r == 0 or not r == len(anchors) == len(anchor_pos):
+            raise ValueError(f"draft needs one anchor and anchor position per cache, got {r} caches")
+        device = self.fc.weight.device
+        lengths = [c.length for c in caches]
+        for ln, p in zip(lengths, anchor_pos):
+            if ln > p:
+                raise ValueError(f"drafter cache holds {ln} positions but the anchor sits at {p}")
+        h, base = self._block_hidden(*self._padded_inputs(caches, anchors, anchor_pos, lengths))
+        params = _per_row(r, temperature, top_k, top_p)
+        gens = list(generators) if generators is not None else [None] * r
+        prev = torch.as_tensor(list(anchors), dtype=torch.long, device=device)
+        state = self.markov_head.init_state((r,), h) if self.markov_head is not None else None
+        tokens, probs, logits, confs = [], [], [], []
+        for k in range(g):
+            z, conf, state = self._step(prev, h[:, k], base[:, k], state)
+            ids, p = _choose(z, params, gens)  # draft-vocab ids [R], probs [R, Vd] or None
+            prev = self.d2t[ids] if self.d2t is not None else ids
+            tokens.append(prev)
+            probs.append(p)
+            logits.append(z)
+            confs.append(conf)
+        any_sampled = probs[0] is not None
+        return DraftOutput(
+            tokens=torch.stack(tokens, 1),
+            probs=self.to_target_vocab(torch.stack(probs, 1)) if any_sampled else None,
+            logits=torch.stack(logits, 1),
+            conf_logits=torch.stack(confs, 1) if self.confidence_head is not None else None,
+        )
+
+    def _padded_inputs(self, caches: Sequence[DrafterCache], anchors: Sequence[int], anchor_pos: Sequence[int],
+                       lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, list, torch.Tensor]:
+        """Block ids [R, gamma], positions [R, gamma], padded context K/V per layer, mask [R, gamma, L+gamma]."""
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
+        c, r, max_len = self.config, len(caches), max(lengths, default=0)
+        ctx = []
+        for layer in range(c.num_layers):
+            k = torch.zeros(r, max_len, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
+            v = torch.zeros_like(k)
+            for i, cache in enumerate(caches):
+                k[i, :cache.length], v[i, :cache.length] = cache.layer(layer)
+            ctx.append((k, v))
+        anchors_t = torch.as_tensor(list(anchors), dtype=torch.long, device=device)
+        pos = block_positions(torch.as_tensor(list(anchor_pos), dtype=torch.long, device=device), c.block_size)
+        mask = draft_mask(torch.as_tensor(lengths, device=device), max_len, c.block_size)
+        return self._block_ids(anchors_t), pos, ctx, mask
+
+    def _step(self, prev: torch.Tensor, h: torch.Tensor, base: torch.Tensor,
+              state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One sequential position: prev ids [R], h [R, d], base [R, Vd] -> (logits, conf logits [R], state)."""
+        emb, z = None, base
+        if self.markov_head is not None:
+            emb = self.markov_head.prev_embedding(prev)
+            bias, state = self.markov_head.step(emb, h, state)
+            z = base + bias.float()
+        conf = self.confidence_head(h, emb).float() if self.confidence_head is not None else None
+        return z, conf, state
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | Path, metadata: dict[str, Any] | None = None) -> None:
+        """config.json (+ "dspark" metadata), model.safetensors (own weights only), sts.json if set."""
+        from dspark.drafters.io import save_drafter
+
+        save_drafter(self, directory, metadata)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, embed_weight: torch.Tensor,
+                        lm_head_weight: torch.Tensor) -> "DSparkDrafter":
+        """Load a save_pretrained directory around the target's embedding and LM head."""
+        from dspark.drafters.io import load_drafter
+
+        return load_drafter(cls, directory, embed_weight, lm_head_weight)
+
+
+def _check_d2t(d2t: torch.Tensor | None, config: DrafterConfig) -> torch.Tensor:
+    """Validate the draft->target id map [Vd]."""
+    if d2t is None:
+        raise ValueError("draft_vocab_size is set, so a d2t mapping [draft_vocab_size] is required")
+    d2t = torch.as_tensor(d2t, dtype=torch.long)
+    if tuple(d2t.shape) != (config.draft_vocab,):
+        raise ValueError(f"d2t must have shape [{config.draft_vocab}], got {list(d2t.shape)}")
+    if d2t.min() < 0 or d2t.max() >= config.vocab_size or d2t.unique().numel() != d2t.numel():
+        raise ValueError("d2t must hold distinct target ids in [0, vocab_size)")
+    return d2t
+
+
+def _per_row(r: int, temperature: Any, top_k: Any, top_p: Any) -> list[tuple[float, int, float]]:
+    """Broadcast scalar or per-request sampling params to R (temperature, top_k, top_p) rows."""
+    cols = [list(x) if isinstance(x, Sequence) else [x] * r for x in (temperature, top_k, top_p)]
+    if any(len(c) != r for c in cols):
+        raise ValueError(f"per-request sampling params must have {r} entries")
+    return [(float(t), int(k), float(p)) for t, k, p in zip(*cols)]
+
+
+def _choose(z: torch.Tensor, params: list[tuple[float, int, float]],
+            gens: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pick one draft id per row of z [R, Vd]: argmax when greedy, else sample the warped distribution."""
+    ids = z.argmax(-1)
+    if all(t <= 0 for t, _, _ in params):
+        return ids, None
+    probs = torch.zeros_like(z).scatter_(-1, ids.unsqueeze(-1), 1.0)  # greedy rows: one-hot
+    uniform = len(set(params)) == 1
+    warped = warp_probs(z, *params[0]) if uniform else None
+    for i, (t, k, p) in enumerate(params):
+        if t <= 0:
+            continue
+        row = warped[i:i + 1] if warped is not None else warp_probs(z[i:i + 1], t, k, p)
+        probs[i] = row[0]
+        ids[i] = sample(row, gens[i])[0]
+    return ids, probs

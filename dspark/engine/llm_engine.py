@@ -1,0 +1,227 @@
+"""LLMEngine: continuous batching with one loop for every method.
+
+step(): schedule -> propose -> plan -> verify (one ragged forward) -> accept -> commit.
+Plain decoding is the case of zero drafts.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dspark.cache import KVCache
+from dspark.engine.model_runner import ModelRunner, Window
+from dspark.engine.scheduler import Scheduler, SchedulerConfig
+from dspark.engine.sequence import Sequence, Status
+from dspark.engine.stop import commit_tokens
+from dspark.models.decoder import Decoder
+from dspark.outputs import RequestOutput
+from dspark.sampling.rejection import Acceptance, accept_greedy, accept_sampled
+from dspark.sampling.sampler import sample, warp_probs
+from dspark.sampling_params import SamplingParams
+from dspark.spec.proposer import NoProposer, Proposal, Proposer
+
+
+@dataclass
+class EngineStats:
+    """Global counters since start-up."""
+
+    steps: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    verified: int = 0
+    accepted: int = 0
+    committed: int = 0
+    prefill_tokens: int = 0
+    time_draft: float = 0.0
+    time_plan: float = 0.0
+    time_verify: float = 0.0
+
+
+class LLMEngine:
+    """Owns the model, cache, scheduler and proposer; callers add requests and call step()."""
+
+    def __init__(self, model: Decoder, tokenizer, *, cache_blocks: int, block_size: int = 16,
+                 scheduler_config: SchedulerConfig | None = None, proposer: Proposer | None = None,
+                 planner=None, max_model_len: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache: KVCache = model.new_cache(cache_blocks, block_size)
+        self.proposer: Proposer = proposer or NoProposer()
+        self.planner = planner
+        self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache)
+        self.runner = ModelRunner(model, self.cache, self.proposer.hidden_layers)
+        self.max_model_len = min(max_model_len or model.config.max_position_embeddings,
+                                 model.config.max_position_embeddings)
+        eos = set(model.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    # --- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raise ValueError for an empty or over-long prompt."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; the model's context is {self.max_model_len} "
+                             "(prompt + at least one generated token must fit)")
+        capacity = self.cache.num_blocks * self.cache.block_size
+        if n + 1 + self.proposer.max_drafts > capacity:
+            raise ValueError(f"prompt has {n} tokens; the KV cache holds {capacity}")
+        request_id = request_id or str(next(self._ids))
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
+                       params=params)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its cache (no-op if unknown or finished)."""
+        seq = self._seqs.get(request_id)
+        if seq is not None and not seq.finished:
+            seq.finish_reason = "abort"
+            self._finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # --- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batched forward; return outputs of the requests that changed."""
+        batch = self.scheduler.schedule(1 + self.proposer.max_drafts)
+        for seq in batch.preempted:
+            self.proposer.release(seq)
+        if not batch.prefills and not batch.decodes:
+            return []
+        t0 = time.perf_counter()
+        proposal = self.proposer.propose(batch.decodes)
+        t1 = time.perf_counter()
+        lengths = self._plan(batch.decodes, proposal)
+        t2 = time.perf_counter()
+        windows = [Window(s.request_id, s.tokens[s.num_cached : s.num_cached + n], s.num_cached,
+                          "last" if not s.output_token_ids and s.num_cached + n == s.prefill_target else "none")
+                   for s, n in batch.prefills]
+        windows += [Window(s.request_id, [s.tokens[-1]] + proposal.tokens[i][: lengths[i]], s.num_cached, "all")
+                    for i, s in enumerate(batch.decodes)]
+        result = self.runner.run(windows)
+        t3 = time.perf_counter()
+        changed = []
+        for i, (seq, n) in enumerate(batch.prefills):
+            changed += self._after_prefill(seq, n, result.logits[i], result.hidden[i])
+        k = len(batch.prefills)
+        for i, seq in enumerate(batch.decodes):
+            changed += self._after_verify(seq, proposal, i, lengths[i], result.logits[k + i], result.hidden[k + i])
+        st = self.stats
+        st.steps += 1
+        st.time_draft += t1 - t0
+        st.time_plan += t2 - t1
+        st.time_verify += t3 - t2
+        return [self._output(s) for s in changed]
+
+    def _plan(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
+        n = [len(t) for t in proposal.tokens]
+        if self.planner is None or not seqs:
+            return n
+        lengths = self.planner.plan([s.request_id for s in seqs], proposal.confidences or [[1.0] * k for k in n])
+        return [min(a, b) for a, b in zip(lengths, n)]
+
+    def _after_prefill(self, seq: Sequence, n: int, logits, hidden) -> list[Sequence]:
+        start = seq.num_cached
+        seq.num_cached += n
+        self.stats.prefill_tokens += n
+        self.proposer.observe(seq, hidden, start)
+        if logits is None:
+            return []
+        token = self._sample(seq, logits)[0]  # first generated token
+        seq.first_token_time = time.perf_counter()
+        self._commit(seq, [token])
+        return [seq]
+
+    def _after_verify(self, seq: Sequence, proposal: Proposal, i: int, l: int, logits, hidden) -> list[Sequence]:
+        drafts = proposal.tokens[i][:l]
+        acc = self._accept(seq, drafts, proposal.probs[i], logits)
+        start = seq.num_cached
+        committed = self._commit(seq, acc.tokens)
+        # the cache keeps the anchor and the accepted drafts; the rejected tail is dropped
+        seq.num_cached = start + min(committed, acc.num_accepted + 1)
+        if not seq.finished:
+            self.cache.truncate(seq.request_id, seq.num_cached)
+            self.proposer.observe(seq, None if hidden is None else hidden[: seq.num_cached - start], start)
+        st, ss = self.stats, seq.stats
+        st.rounds += 1
+        ss.rounds += 1
+        st.drafted += len(proposal.tokens[i])
+        ss.drafted += len(proposal.tokens[i])
+        st.verified += l
+        ss.verified += l
+        st.accepted += acc.num_accepted
+        ss.accepted += acc.num_accepted
+        ss.accept_lengths.append(committed)
+        return [seq]
+
+    def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor) -> Acceptance:
+        p = seq.params
+        if p.greedy:
+            return accept_greedy(drafts, logits)
+        target = warp_probs(logits, p.temperature, p.top_k, p.top_p)
+        if draft_probs is None:  # a deterministic proposer: the draft distribution is a point mass
+            draft_probs = torch.zeros(len(drafts), target.shape[1])
+            draft_probs[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)] = 1.0
+        return accept_sampled(drafts, draft_probs[: len(drafts)], target, seq.generator)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
+        p = seq.params
+        if p.greedy:
+            return logits.argmax(-1).tolist()
+        return sample(warp_probs(logits, p.temperature, p.top_k, p.top_p), seq.generator).tolist()
+
+    def _commit(self, seq: Sequence, tokens: list[int]) -> int:
+        n = commit_tokens(seq, tokens, eos_ids=self.eos_ids, max_model_len=self.max_model_len,
+                          tokenizer=self.tokenizer)
+        self.stats.committed += n
+        if seq.finish_reason is not None:
+            self._finish(seq)
+        return n
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        self.proposer.release(seq)
+        if self.planner is not None:
+            self.planner.release(seq.request_id)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = seq.text if seq.stopped_by_string else self.tokenizer.decode(
+            seq.output_token_ids, skip_special_tokens=True)
+        if seq.finished:
+            self._seqs.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids, text=text,
+            token_ids=list(seq.output_token_ids), finished=seq.finished, finish_reason=seq.finish_reason,
+            accept_lengths=list(seq.stats.accept_lengths),
+            metrics={"rounds": seq.stats.rounds, "drafted": seq.stats.drafted, "verified": seq.stats.verified,
+                     "accepted": seq.stats.accepted, "arrival": seq.arrival,
+                     "first_token_time": seq.first_token_time, "finish_time": seq.finish_time},
+        )

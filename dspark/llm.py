@@ -1,0 +1,118 @@
+"""LLM: the offline facade. LLM(model=None) runs the embedded default; generate() batches requests
+continuously; chat() applies the tokenizer's chat template."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from dspark.engine.llm_engine import LLMEngine
+from dspark.engine.scheduler import SchedulerConfig
+from dspark.models.embedded import ensure_embedded_model
+from dspark.models.loader import load_decoder
+from dspark.outputs import RequestOutput
+from dspark.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """None -> the embedded default (converted once); otherwise a local Hugging Face directory."""
+    if model is None or str(model) in ("", "embedded"):
+        return ensure_embedded_model()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path {str(model)!r} is not a local directory (no model hub is used)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: expected a Hugging Face model directory")
+    return path
+
+
+class LLM:
+    """Load a target model and generate with continuous batching."""
+
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512, kv_cache_mb: int = 1024,
+                 max_model_len: int | None = None, block_size: int = 16):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        if kv_cache_mb <= 0:
+            raise ValueError(f"kv_cache_mb must be positive, got {kv_cache_mb}")
+        from transformers import AutoTokenizer
+
+        self.model_path = resolve_model_path(model)
+        self.decoder = load_decoder(self.model_path, dtype=_DTYPES[dtype], device=device)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        c = self.decoder.config
+        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=_DTYPES[dtype]).element_size()
+        blocks = max(1, kv_cache_mb * 2**20 // (per_token * block_size))
+        self.engine = LLMEngine(self.decoder, self.tokenizer, cache_blocks=blocks, block_size=block_size,
+                                scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+                                max_model_len=max_model_len)
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = self._params_list(params, len(prompts))
+        ids = []
+        for prompt, p in zip(prompts, params_list):
+            text, token_ids = self._encode(prompt)
+            ids.append(self.engine.add_request(token_ids, p, prompt=text))
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None):
+        """Generate for one prompt, yielding its RequestOutput after every step that changed it."""
+        text, token_ids = self._encode(prompt)
+        request_id = self.engine.add_request(token_ids, params or SamplingParams(), prompt=text)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)
+
+    def chat(self, conversations, params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.apply_chat_template(c) for c in conversations], params)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """Render a conversation into the prompt text the model expects, ready for the assistant turn."""
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError('a conversation must be a list of {"role": str, "content": str} messages')
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"the tokenizer of {self.model_path} has no chat template; pass raw prompts")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("each prompt must be a string or a list of token ids")
+
+    @staticmethod
+    def _params_list(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return params

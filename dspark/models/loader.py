@@ -1,0 +1,82 @@
+"""Load a Decoder from a local Hugging Face directory (safetensors weights)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dspark.models.config import ModelConfig
+from dspark.models.decoder import Decoder
+
+_PREFIX = "model."
+
+
+def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Decoder:
+    """Build the decoder for `path/config.json` and load its safetensors weights."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}: expected a local Hugging Face model directory")
+    cfg = ModelConfig.from_pretrained(path)
+    weights = _read_safetensors(path)
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    state = _to_dspark_names(weights, cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = type(model.rotary)(torch.tensor(cfg.inv_freq), cfg.rope_scale, 4096)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def _to_dspark_names(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF parameter names -> this decoder's (q/k/v and gate/up fused)."""
+    def take(name: str) -> torch.Tensor:
+        try:
+            return w[_PREFIX + name] if _PREFIX + name in w else w[name]
+        except KeyError:
+            raise ValueError(f"checkpoint is missing weight {name!r}") from None
+
+    state = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    else:
+        state["lm_head.weight"] = w["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        a = p + "self_attn."
+        state[a + "qkv_proj.weight"] = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+        if cfg.qkv_bias:
+            state[a + "qkv_proj.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+        state[a + "o_proj.weight"] = take(a + "o_proj.weight")
+        if cfg.o_bias:
+            state[a + "o_proj.bias"] = take(a + "o_proj.bias")
+        if cfg.qk_norm:
+            state[a + "q_norm.weight"] = take(a + "q_norm.weight")
+            state[a + "k_norm.weight"] = take(a + "k_norm.weight")
+        m = p + "mlp."
+        state[m + "gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        state[m + "down.weight"] = take(m + "down_proj.weight")
+        if cfg.mlp_bias:
+            state[m + "gate_up.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+            state[m + "down.bias"] = take(m + "down_proj.bias")
+        state[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        state[p + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    return state

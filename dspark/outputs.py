@@ -1,0 +1,23 @@
+"""RequestOutput: what generate() returns per prompt (and what the engine streams per step)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: text and token ids generated so far, and why it finished."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per round
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0

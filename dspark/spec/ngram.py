@@ -1,0 +1,32 @@
+"""Prompt-lookup (n-gram) drafting: propose the continuation of the latest earlier match of the suffix."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix.
+
+    Tries suffix lengths n = max_n down to min_n; the suffix itself is not a match. Returns [] when
+    no suffix of length min_n..max_n occurs earlier in `tokens` (prompt + output so far).
+    """
+    if min_n < 1 or max_n < min_n:
+        raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+    if k <= 0:
+        return []
+    seq = np.asarray(tokens, dtype=np.int64)  # [L]
+    length = seq.shape[0]
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = seq[length - n :]  # [n]
+        # Candidate starts i in [0, L - n - 1]: windows ending before the final token, so the
+        # suffix itself is excluded and at least one token follows every match.
+        hits = seq[: length - n] == suffix[0]  # [L - n]
+        for offset in range(1, n):
+            hits &= seq[offset : length - n + offset] == suffix[offset]
+        found = np.flatnonzero(hits)
+        if found.size:
+            start = int(found[-1]) + n
+            return seq[start : start + k].tolist()
+    return []

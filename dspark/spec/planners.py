@@ -1,0 +1,244 @@
+"""Verify-length planners: how many of each request's drafts to verify this round (brief section 3).
+
+conf[r][k-1] is the drafter's confidence c_{r,k}: the probability that draft k of request r survives
+given that drafts 1..k-1 survived. Prefix survival is a_{r,k} = c_{r,1} * ... * c_{r,k}. Every planner
+returns l_r in 0..len(conf[r]) per request.
+
+Losslessness rule shared by all planners here: whether draft x_k is verified may depend on x_<k (and
+on anything fixed before this round) but never on x_k itself. Since c_{k+1} is computed from the sampled
+x_k, a planner that lets a_{k+1} influence the admission of x_k skews the output distribution (brief
+section 3.2, Appendix A counterexample).
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Hashable, Sequence
+
+from dspark.spec.cost_table import SPSTable
+
+PLANNER_NAMES = ("fixed", "threshold", "throughput")
+THROUGHPUT_VARIANTS = ("lagged", "algorithm1")
+
+
+def _check_conf(conf: Sequence[Sequence[float]]) -> None:
+    """Raise ValueError unless every confidence is a finite number in [0, 1]."""
+    for r, row in enumerate(conf):
+        for k, c in enumerate(row):
+            try:
+                v = float(c)
+            except (TypeError, ValueError):
+                v = math.nan
+            if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+                raise ValueError(f"confidence conf[{r}][{k}] = {c!r} is not in [0, 1]")
+
+
+def survival(conf_row: Sequence[float]) -> list[float]:
+    """Prefix survival probabilities a_k = prod_{i<=k} c_i of one request (non-increasing)."""
+    out: list[float] = []
+    acc = 1.0
+    for c in conf_row:
+        acc *= float(c)
+        out.append(acc)
+    return out
+
+
+def _survival_pool(surv: Sequence[Sequence[float]]) -> list[tuple[float, int, int]]:
+    """All (a, r, j) with a > 0 (j 1-based), sorted by a descending, ties by (r, j).
+
+    a is non-increasing in j (products of factors <= 1 round monotonically), so the order respects
+    each request's prefixes: (r, j) always comes before (r, j + 1).
+    """
+    pool = [(a, r, j) for r, row in enumerate(surv) for j, a in enumerate(row, start=1) if a > 0.0]
+    pool.sort(key=lambda item: (-item[0], item[1], item[2]))
+    return pool
+
+
+def _lengths_from_prefix(num_requests: int, admitted: Sequence[tuple[float, int, int]]) -> list[int]:
+    """Verify lengths from an admitted prefix of a survival pool."""
+    lengths = [0] * num_requests
+    for _, r, j in admitted:
+        lengths[r] = max(lengths[r], j)
+    return lengths
+
+
+def plan_fixed(num_drafts: Sequence[int]) -> list[int]:
+    """Verify every draft: l_r = num_drafts[r]."""
+    if any(n < 0 for n in num_drafts):
+        raise ValueError(f"negative draft count in {list(num_drafts)}")
+    return [int(n) for n in num_drafts]
+
+
+def plan_threshold(conf: Sequence[Sequence[float]], threshold: float) -> list[int]:
+    """Static threshold: l_r = number of leading drafts with c_k >= threshold."""
+    _check_conf(conf)
+    lengths: list[int] = []
+    for row in conf:
+        n = 0
+        while n < len(row) and row[n] >= threshold:
+            n += 1
+        lengths.append(n)
+    return lengths
+
+
+def plan_algorithm1(
+    conf: Sequence[Sequence[float]], table: SPSTable, early_stop: bool = True
+) -> list[int]:
+    """Brief section 3.2: greedily admit drafts by survival while tau* x SPS(B) improves.
+
+    early_stop=False keeps scanning and takes the best prefix of the sorted pool instead. That variant
+    is NOT lossless (a_{k+1}, which depends on the sampled x_k, then decides whether x_k is verified);
+    it exists only so tests can demonstrate the bias.
+    """
+    _check_conf(conf)
+    num_requests = len(conf)
+    if num_requests == 0:
+        return []
+    pool = _survival_pool([survival(row) for row in conf])
+    batch = num_requests  # B: one anchor token per request
+    tau = float(num_requests)  # tau*: expected committed tokens
+    best = tau * table.sps(batch)  # Theta_best
+    best_len = 0
+    for n, (a, _, _) in enumerate(pool, start=1):
+        batch += 1
+        tau += a
+        theta = tau * table.sps(batch)
+        if theta > best:
+            best, best_len = theta, n
+        elif early_stop:
+            break
+    return _lengths_from_prefix(num_requests, pool[:best_len])
+
+
+def plan_lagged_topk(
+    conf_now: Sequence[Sequence[float]],
+    conf_lagged: Sequence[Sequence[float]],
+    table: SPSTable,
+) -> list[int]:
+    """Brief section 3.3: budget K from lagged confidences by global argmax, spent on current top-K.
+
+    K = argmax_K (R + sum of the K largest lagged survival probs) x SPS(R + K), for K from 0 to the
+    number of drafts available now (first maximum wins). The K drafts with the largest current survival
+    (prefix-respecting; zero-survival drafts are skipped, so fewer may be verified) are then verified.
+    conf_lagged[r] is request r's confidence row from two rounds back; its values must not depend on
+    this round's drafts, which is what makes the unconstrained search lossless.
+    """
+    _check_conf(conf_now)
+    _check_conf(conf_lagged)
+    num_requests = len(conf_now)
+    if len(conf_lagged) != num_requests:
+        raise ValueError(f"{len(conf_lagged)} lagged confidence rows for {num_requests} requests")
+    if num_requests == 0:
+        return []
+    cap = sum(len(row) for row in conf_now)  # value-independent upper bound on the budget
+    lagged = sorted((a for row in conf_lagged for a in survival(row)), reverse=True)
+    gain = float(num_requests)
+    best, budget = gain * table.sps(num_requests), 0
+    for k in range(1, cap + 1):
+        gain += lagged[k - 1] if k - 1 < len(lagged) else 0.0
+        theta = gain * table.sps(num_requests + k)
+        if theta > best:
+            best, budget = theta, k
+    pool = _survival_pool([survival(row) for row in conf_now])
+    return _lengths_from_prefix(num_requests, pool[:budget])
+
+
+def _check_batch(request_ids: Sequence[Hashable], conf: Sequence[Sequence[float]]) -> None:
+    """Raise ValueError if ids and confidence rows do not pair up one-to-one."""
+    if len(request_ids) != len(conf):
+        raise ValueError(f"{len(request_ids)} request ids but {len(conf)} confidence rows")
+    if len(set(request_ids)) != len(request_ids):
+        raise ValueError(f"duplicate request ids in {list(request_ids)}")
+
+
+class Planner(ABC):
+    """Per-round verify-length policy; may keep per-request state until release()."""
+
+    @abstractmethod
+    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]]) -> list[int]:
+        """Verify lengths l_r (0..len(conf[r])) for this round's requests."""
+
+    def release(self, request_id: str | int) -> None:
+        """Forget any state kept for a finished request (no-op for stateless planners)."""
+
+
+class FixedPlanner(Planner):
+    """Verify every draft (DFlash / n-gram baselines, static mode)."""
+
+    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]]) -> list[int]:
+        """l_r = len(conf[r])."""
+        _check_batch(request_ids, conf)
+        return plan_fixed([len(row) for row in conf])
+
+
+class ThresholdPlanner(Planner):
+    """Truncate each request's block at its first confidence below a fixed threshold."""
+
+    def __init__(self, threshold: float = 0.5) -> None:
+        """threshold in [0, 1]."""
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        self.threshold = threshold
+
+    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]]) -> list[int]:
+        """l_r = number of leading drafts with c >= threshold."""
+        _check_batch(request_ids, conf)
+        return plan_threshold(conf, self.threshold)
+
+
+class ThroughputPlanner(Planner):
+    """Maximise expected tokens/s against a measured SPS table (lagged top-K or Algorithm 1)."""
+
+    def __init__(self, table: SPSTable | None, variant: str = "lagged", lag: int = 2) -> None:
+        """variant in {"lagged", "algorithm1"}; lag = rounds between a confidence row and its use."""
+        if table is None:
+            raise ValueError("the throughput planner needs a profiled SPS table (got None)")
+        if variant not in THROUGHPUT_VARIANTS:
+            raise ValueError(f"unknown throughput variant {variant!r}; choose from {THROUGHPUT_VARIANTS}")
+        if lag < 1:
+            raise ValueError(f"lag must be >= 1 round, got {lag}")
+        self.table, self.variant, self.lag = table, variant, lag
+        # request id -> confidence rows of its last `lag` rounds, oldest first
+        self._history: dict[str | int, deque[list[float]]] = {}
+
+    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]]) -> list[int]:
+        """Verify lengths for this round; the lagged variant also records conf for later rounds."""
+        _check_batch(request_ids, conf)
+        if self.variant == "algorithm1":
+            return plan_algorithm1(conf, self.table, early_stop=True)
+        lagged: list[Sequence[float]] = []
+        for rid, row in zip(request_ids, conf):
+            hist = self._history.get(rid)
+            if hist is not None and len(hist) == self.lag:
+                lagged.append(hist[0])
+            else:
+                # No history `lag` rounds back (a new request). Substituting the current row would
+                # break the causal barrier: the global argmax could then let a_{k+1} (a function of
+                # the sampled x_k) decide whether x_k is verified -- the Appendix A bias. Instead use
+                # a value-free prior of survival 1 at every position, so an all-new batch gets the
+                # budget argmax_K (R + K) x SPS(R + K). It is lossless (independent of this round's
+                # drafts) and optimistic: it may over-verify for `lag` rounds, whereas a prior of 0
+                # would force plain decoding on every new request's first rounds.
+                lagged.append([1.0] * len(row))
+        lengths = plan_lagged_topk(conf, lagged, self.table)
+        for rid, row in zip(request_ids, conf):
+            self._history.setdefault(rid, deque(maxlen=self.lag)).append([float(c) for c in row])
+        return lengths
+
+    def release(self, request_id: str | int) -> None:
+        """Drop the request's confidence history."""
+        self._history.pop(request_id, None)
+
+
+def make_planner(name: str, table: SPSTable | None = None, **kw: object) -> Planner:
+    """Build a planner by name ("fixed", "threshold", "throughput"); extra kwargs go to its constructor."""
+    if name == "fixed":
+        return FixedPlanner(**kw)  # type: ignore[arg-type]
+    if name == "threshold":
+        return ThresholdPlanner(**kw)  # type: ignore[arg-type]
+    if name == "throughput":
+        if table is None:
+            raise ValueError("planner 'throughput' needs a profiled SPS table (table=None given)")
+        return ThroughputPlanner(table, **kw)  # type: ignore[arg-type]
+    raise ValueError(f"unknown planner {name!r}; choose from {', '.join(PLANNER_NAMES)}")

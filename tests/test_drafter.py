@@ -1,0 +1,291 @@
+"""DSpark drafter: shapes, DFlash equivalence, train/inference agreement, masks, vocab, heads, I/O, batching."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.drafters import IGNORE, DrafterConfig, DSparkDrafter, block_labels, default_target_layer_ids
+from dspark.drafters.blocks import train_mask
+
+V, D, M = 300, 64, 3  # vocab, hidden, context layers
+
+
+def make(seed: int = 0, std: float = 0.2, d2t: torch.Tensor | None = None, **over) -> DSparkDrafter:
+    """Tiny drafter over a random 'target' embedding / LM head."""
+    kw = dict(hidden_size=D, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              vocab_size=V, target_layer_ids=(0, 2, 3), mask_token_id=V - 1, num_layers=2, block_size=4,
+              markov_rank=16)
+    kw.update(over)
+    embed, head = target_weights()
+    torch.manual_seed(seed)
+    model = DSparkDrafter(DrafterConfig(**kw), embed, head, d2t=d2t)
+    model.init_weights(std)
+    return model.eval()
+
+
+def target_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    """The random 'target' embedding and LM head [V, D] every test drafter shares."""
+    g = torch.Generator().manual_seed(1234)
+    return torch.randn(V, D, generator=g), torch.randn(V, D, generator=g)
+
+
+def data(b: int = 2, s: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, s, M * D, generator=g), torch.randint(0, V - 1, (b, s), generator=g)
+
+
+def cache_for(model: DSparkDrafter, feats: torch.Tensor, n: int, chunk: int = 5):
+    """A cache holding positions 0..n-1, extended in chunks like a decode loop would."""
+    cache = model.new_cache(capacity=2)
+    for start in range(0, n, chunk):
+        model.extend(cache, feats[start:min(n, start + chunk)], start)
+    return cache
+
+
+# ---- config ------------------------------------------------------------------------------------
+def test_config_round_trip_and_validation():
+    cfg = make().config
+    assert DrafterConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="markov_head_type"):
+        DrafterConfig.from_dict({**cfg.to_dict(), "markov_head_type": "lstm"})
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        DrafterConfig.from_dict({**cfg.to_dict(), "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DrafterConfig.from_dict({**cfg.to_dict(), "mask_token_id": V})
+    with pytest.raises(ValueError, match="bogus"):
+        DrafterConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+def test_for_target_copies_shapes():
+    hf = dict(hidden_size=2560, intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
+              head_dim=128, rms_norm_eps=1e-6, rope_parameters={"rope_theta": 1e6}, vocab_size=151936,
+              num_hidden_layers=36)
+    cfg = DrafterConfig.for_target(hf, num_layers=5, mask_token_id=151669)
+    assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.rope_theta == 1e6 and cfg.head_dim == 128
+    small = DrafterConfig.for_target(dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                          vocab_size=V, num_hidden_layers=30, rope_theta=5e5))
+    assert small.target_layer_ids == (1, 8, 15, 22, 28) and small.head_dim == 16 and small.num_key_value_heads == 4
+    assert default_target_layer_ids(4) == (0, 1, 2)
+
+
+# ---- shapes and DFlash ---------------------------------------------------------------------------
+def test_shapes():
+    model = make()
+    feats, ids = data()
+    anchors = torch.tensor([[3, 8, 15], [0, 5, 23]])
+    out = model.forward_train(feats, ids, anchors, torch.ones_like(anchors, dtype=torch.bool))
+    assert out.logits.shape == out.base_logits.shape == (2, 3, 4, V)
+    assert out.conf_logits.shape == (2, 3, 4)
+    assert torch.isfinite(out.logits).all()
+    draft = model.draft([cache_for(model, feats[0], 8)], [int(ids[0, 8])], [8], temperature=0.0)
+    assert draft.tokens.shape == (1, 4) and draft.probs is None
+    assert draft.logits.shape == (1, 4, V) and draft.conf_logits.shape == (1, 4)
+
+
+def test_dflash_is_heads_off():
+    model = make(markov_rank=0, confidence_head=False)
+    assert model.markov_head is None and model.confidence_head is None
+    feats, ids = data()
+    anchors = torch.tensor([[3, 8], [1, 9]])
+    out = model.forward_train(feats, ids, anchors, torch.ones_like(anchors, dtype=torch.bool))
+    assert torch.equal(out.logits, out.base_logits) and out.conf_logits is None
+    assert model.draft([cache_for(model, feats[0], 8)], [5], [8]).conf_logits is None
+
+
+def test_embedding_and_head_are_frozen_and_not_saved():
+    model = make()
+    names = {n for n, _ in model.named_parameters()}
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert all(p.requires_grad for p in model.parameters())
+    assert "embed_weight" not in model.state_dict() and "lm_head" not in model.state_dict()
+
+
+def test_gradients_reach_every_own_weight():
+    model = make(markov_head_type="gated").train()
+    feats, ids = data()
+    anchors = torch.tensor([[3, 8], [1, 9]])
+    out = model(feats, ids, anchors, torch.ones_like(anchors, dtype=torch.bool))  # forward == forward_train
+    (out.logits.logsumexp(-1).mean() + out.conf_logits.mean()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    assert model.embed_weight.grad is None and model.lm_head.grad is None
+
+
+# ---- training forward == inference draft ---------------------------------------------------------
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_train_matches_draft(head: str, temperature: float):
+    model = make(markov_head_type=head)
+    feats, ids = data(b=1, s=20)
+    p = 9
+    gen = torch.Generator().manual_seed(7)
+    draft = model.draft([cache_for(model, feats[0], p)], [int(ids[0, p])], [p], temperature=temperature,
+                        top_k=50, generators=[gen])
+    forced = ids.clone()
+    forced[0, p + 1:p + 4] = draft.tokens[0, :3]  # teacher-force the drafted predecessors
+    out = model.forward_train(feats, forced, torch.tensor([[2, p]]), torch.ones(1, 2, dtype=torch.bool))
+    torch.testing.assert_close(out.logits[0, 1], draft.logits[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.conf_logits[0, 1], draft.conf_logits[0], rtol=1e-4, atol=1e-4)
+    if temperature == 0:
+        assert torch.equal(draft.tokens[0], draft.logits[0].argmax(-1))
+    else:
+        assert torch.allclose(draft.probs.sum(-1), torch.ones(1, 4))
+        assert ((draft.probs > 0).sum(-1) <= 50).all()
+
+
+# ---- masks ---------------------------------------------------------------------------------------
+def test_block_sees_only_context_before_its_anchor():
+    model = make()
+    feats, ids = data(b=1, s=24)
+    anchors, valid = torch.tensor([[6, 14]]), torch.ones(1, 2, dtype=torch.bool)
+    ref = model.forward_train(feats, ids, anchors, valid).logits
+    after = feats.clone()
+    after[0, 6:] += 1.0  # at / after block 0's anchor, before block 1's
+    out = model.forward_train(after, ids, anchors, valid).logits
+    assert torch.equal(out[0, 0], ref[0, 0]) and not torch.allclose(out[0, 1], ref[0, 1])
+    before = feats.clone()
+    before[0, 5] += 1.0
+    assert not torch.allclose(model.forward_train(before, ids, anchors, valid).logits[0, 0], ref[0, 0])
+    other = ids.clone()
+    other[0, 14] = (other[0, 14] + 1) % (V - 1)  # block 1's anchor token must not leak into block 0
+    out = model.forward_train(feats, other, anchors, valid).logits
+    assert torch.equal(out[0, 0], ref[0, 0]) and not torch.allclose(out[0, 1], ref[0, 1])
+
+
+def test_block_attention_is_bidirectional():
+    mask = train_mask(torch.tensor([[2, 5]]), seq_len=8, gamma=3)  # [1, 6, 8 + 6]
+    assert mask[0, 0, 8:11].all() and not mask[0, 0, 11:].any()  # slot 0 sees all of its own block
+    assert mask[0, 3, :5].all() and not mask[0, 3, 5:8].any()
+    model = make()
+    feats, _ = data(b=1, s=4)
+    ctx = model.context_kv(feats, torch.arange(4).unsqueeze(0))
+    x = torch.randn(1, 4, D)
+    pos = torch.arange(4, 8).unsqueeze(0)
+    full = torch.ones(1, 4, 8, dtype=torch.bool)
+    ref = model.run_layers(x, pos, ctx, full)
+    x2 = x.clone()
+    x2[0, 3] += 1.0  # the last slot influences the first
+    assert not torch.allclose(model.run_layers(x2, pos, ctx, full)[0, 0], ref[0, 0])
+
+
+def test_block_labels_follow_prefix_validity():
+    ids = torch.arange(10).unsqueeze(0)
+    loss = torch.ones(1, 10, dtype=torch.bool)
+    loss[0, 5] = False
+    labels, valid = block_labels(ids, torch.tensor([[2, 7]]), torch.tensor([[True, True]]), 4, loss)
+    assert labels[0, 0].tolist() == [3, 4, IGNORE, IGNORE]  # position 5 breaks the prefix
+    assert labels[0, 1].tolist() == [8, 9, IGNORE, IGNORE]  # sequence ends
+    assert valid.sum() == 4
+
+
+# ---- draft vocabulary ----------------------------------------------------------------------------
+def test_draft_vocab_mapping():
+    d2t = torch.randperm(V - 1, generator=torch.Generator().manual_seed(3))[:100].sort().values
+    model = make(draft_vocab_size=100, d2t=d2t)
+    assert torch.equal(model.lm_head, target_weights()[1][d2t])
+    assert model.lm_head.shape == (100, D) and model.markov_head.markov_w1.num_embeddings == V
+    feats, ids = data(b=1, s=16)
+    out = model.draft([cache_for(model, feats[0], 9)], [int(ids[0, 9])], [9], temperature=0.8,
+                      generators=[torch.Generator().manual_seed(0)])
+    assert out.logits.shape == (1, 4, 100) and out.probs.shape == (1, 4, V)
+    assert set(out.tokens.flatten().tolist()) <= set(d2t.tolist())
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[d2t] = False
+    assert (out.probs[..., outside] == 0).all() and torch.allclose(out.probs.sum(-1), torch.ones(1, 4))
+    labels = torch.tensor([int(d2t[5]), int(torch.nonzero(outside)[0]), IGNORE])
+    assert model.draft_labels(labels).tolist() == [5, IGNORE, IGNORE]
+    greedy = model.draft([cache_for(model, feats[0], 9)], [int(ids[0, 9])], [9])
+    assert torch.equal(greedy.tokens[0], d2t[greedy.logits[0].argmax(-1)])
+
+
+def test_draft_vocab_head_is_sliced_target_head():
+    d2t = torch.tensor([4, 0, 17, 299])
+    cfg = make().config
+    g = torch.Generator().manual_seed(9)
+    embed, head = torch.randn(V, D, generator=g), torch.randn(V, D, generator=g)
+    model = DSparkDrafter(DrafterConfig.from_dict({**cfg.to_dict(), "draft_vocab_size": 4}), embed, head, d2t=d2t)
+    assert torch.equal(model.lm_head, head[d2t])
+    with pytest.raises(ValueError, match="d2t"):
+        DSparkDrafter(DrafterConfig.from_dict({**cfg.to_dict(), "draft_vocab_size": 4}), embed, head)
+
+
+# ---- sequential heads ----------------------------------------------------------------------------
+def test_gated_and_rnn_heads_differ_from_vanilla():
+    feats, ids = data()
+    anchors, valid = torch.tensor([[3, 8], [1, 9]]), torch.ones(2, 2, dtype=torch.bool)
+    outs = {}
+    vanilla = make(markov_head_type="vanilla")
+    for head in ("vanilla", "gated", "rnn"):
+        model = make(markov_head_type=head)
+        model.load_state_dict(vanilla.state_dict(), strict=False)  # same backbone, W1, W2 and confidence
+        outs[head] = model.forward_train(feats, ids, anchors, valid)
+    for head in ("gated", "rnn"):
+        torch.testing.assert_close(outs[head].base_logits, outs["vanilla"].base_logits)
+        assert not torch.allclose(outs[head].logits, outs["vanilla"].logits)
+        assert not torch.allclose(outs[head].logits, outs[head].base_logits)
+    assert not torch.allclose(outs["gated"].logits, outs["rnn"].logits)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def test_save_load_round_trip(tmp_path: Path):
+    d2t = torch.arange(0, V, 3)
+    model = make(markov_head_type="rnn", draft_vocab_size=len(d2t), d2t=d2t)
+    model.sts_temperatures = [1.2, 0.9, 1.0, 1.1]
+    model.save_pretrained(tmp_path, metadata={"recipe": {"lr": 6e-4}})
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert "d2t" in saved and not any("embed" in k or "lm_head" in k for k in saved)
+    loaded = DSparkDrafter.from_pretrained(tmp_path, *target_weights())
+    assert loaded.config == model.config and loaded.metadata == {"recipe": {"lr": 6e-4}}
+    assert loaded.sts_temperatures == [1.2, 0.9, 1.0, 1.1]
+    ref, got = model.state_dict(), loaded.eval().state_dict()
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    feats, ids = data(b=1, s=12)
+    a = model.draft([cache_for(model, feats[0], 7)], [3], [7])
+    b = loaded.draft([cache_for(loaded, feats[0], 7)], [3], [7])
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.conf_logits, b.conf_logits)
+
+
+# ---- batched inference ---------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, [0.7, 0.0, 1.0]])
+def test_padding_does_not_change_requests(temperature):
+    model = make(markov_head_type="rnn")
+    feats, ids = data(b=3, s=20)
+    lengths = [3, 11, 17]
+    temps = temperature if isinstance(temperature, list) else [temperature] * 3
+
+    def gens():
+        return [torch.Generator().manual_seed(100 + i) for i in range(3)]
+
+    caches = [cache_for(model, feats[i], n) for i, n in enumerate(lengths)]
+    anchors = [int(ids[i, n]) for i, n in enumerate(lengths)]
+    batch = model.draft(caches, anchors, lengths, temperature=temperature, top_p=0.9, generators=gens())
+    for i, n in enumerate(lengths):
+        one = model.draft([caches[i]], [anchors[i]], [n], temperature=temps[i], top_p=0.9,
+                          generators=[gens()[i]])
+        assert torch.equal(batch.tokens[i], one.tokens[0])
+        torch.testing.assert_close(batch.logits[i], one.logits[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batch.conf_logits[i], one.conf_logits[0], rtol=1e-5, atol=1e-5)
+        if one.probs is not None:
+            torch.testing.assert_close(batch.probs[i], one.probs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_cache_rollback_matches_fresh_cache():
+    model = make()
+    feats, _ = data(b=1, s=16)
+    cache = cache_for(model, feats[0], 12)
+    cache.truncate(8)
+    noise = torch.randn(4, M * D)
+    model.extend(cache, noise, 8)  # rejected tail, replaced below by re-extending from position 6
+    model.extend(cache, feats[0, 6:10], 6)
+    fresh = cache_for(model, feats[0], 10, chunk=10)
+    assert cache.length == fresh.length == 10
+    for layer in range(model.config.num_layers):
+        for a, b in zip(cache.layer(layer), fresh.layer(layer)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="gap"):
+        model.extend(cache, noise, 12)
+    with pytest.raises(ValueError, match="anchor"):
+        model.draft([cache], [1], [5])

@@ -1,0 +1,173 @@
+"""Verify-length planners (brief section 3), including the Appendix A losslessness counterexample."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import pytest
+import torch
+
+from dspark.sampling.rejection import accept_sampled, residual_probs
+from dspark.spec.cost_table import SPSTable
+from dspark.spec.planners import (
+    FixedPlanner,
+    Planner,
+    ThresholdPlanner,
+    ThroughputPlanner,
+    make_planner,
+    plan_algorithm1,
+    plan_fixed,
+    plan_lagged_topk,
+    plan_threshold,
+)
+
+Conf = Sequence[Sequence[float]]
+
+
+def test_fixed_and_threshold_basics() -> None:
+    assert plan_fixed([3, 0, 7]) == [3, 0, 7]
+    conf = [[0.9, 0.6, 0.4, 0.9], [0.3, 0.9], [], [0.5, 0.5]]
+    assert plan_threshold(conf, 0.5) == [2, 0, 0, 2]
+    assert plan_threshold(conf, 0.0) == [4, 2, 0, 2]
+    assert FixedPlanner().plan(["a", "b"], [[0.1, 0.1], [0.2]]) == [2, 1]
+    assert ThresholdPlanner(0.55).plan([1, 2, 3, 4], conf) == [2, 0, 0, 0]
+    with pytest.raises(ValueError):
+        plan_threshold([[1.5]], 0.5)
+    with pytest.raises(ValueError):
+        FixedPlanner().plan(["a"], [[0.5], [0.5]])
+
+
+def test_algorithm1_admits_in_survival_order() -> None:
+    # Each extra token costs 10% step time: admitting survival a helps while a > tau* x 0.1 / 1.1...
+    table = SPSTable({b: 1.0 / (1.0 + 0.1 * b) for b in range(1, 16)})
+    conf = [[0.9, 0.9, 0.1], [0.5, 0.9]]  # survival r0: .9 .81 .081; r1: .5 .45
+    # Pool order: (0,1) .9, (0,2) .81, (1,1) .5, (1,2) .45, (0,3) .081; check Theta by hand.
+    def theta(tau: float, b: int) -> float:
+        return tau * table.sps(b)
+    assert theta(2.9, 3) > theta(2, 2)
+    assert theta(3.71, 4) > theta(2.9, 3)
+    assert theta(4.21, 5) > theta(3.71, 4)
+    assert theta(4.66, 6) > theta(4.21, 5)
+    assert theta(4.741, 7) < theta(4.66, 6)
+    assert plan_algorithm1(conf, table) == [2, 2]
+    flat = SPSTable({1: 1.0})  # extrapolates as time proportional to tokens: nothing pays off
+    assert plan_algorithm1(conf, flat) == [0, 0]
+    free = SPSTable({b: 1.0 for b in range(1, 16)})  # verification is free: admit every a > 0
+    assert plan_algorithm1(conf + [[0.0, 0.5]], free) == [3, 2, 0]
+    assert plan_algorithm1([], free) == []
+
+
+def test_algorithm1_stops_at_first_non_improving_candidate() -> None:
+    table = SPSTable({1: 1.0, 2: 0.6, 3: 0.6, 4: 0.6})
+    conf = [[0.5, 1.0, 1.0]]  # survival .5 .5 .5: first step 1.5*.6 < 1, later prefixes 2.5*.6 > 1
+    assert plan_algorithm1(conf, table) == [0]
+    assert plan_algorithm1(conf, table, early_stop=False) == [3]
+
+
+# ---- Appendix A: R = 1, gamma = 2, vocabulary {A, B} ------------------------------------------
+APPENDIX_TABLE = SPSTable({1: 1.0, 2: 0.5, 3: 0.45})
+P_TARGET = torch.tensor([0.7, 0.3], dtype=torch.float64)
+P_DRAFT = torch.tensor([0.5, 0.5], dtype=torch.float64)
+C1 = 0.8
+C2_AFTER = {0: 0.9, 1: 0.0}  # c2 = 0.9 after A, 0 after B
+
+
+def _first_token_distribution(plan: Callable[[Conf], list[int]]) -> torch.Tensor:
+    """Exact law of the first committed token: enumerate x1 and apply the acceptance rule."""
+    out = torch.zeros(2, dtype=torch.float64)
+    for x1 in (0, 1):
+        length = plan([[C1, C2_AFTER[x1]]])[0]
+        if length == 0:
+            out += P_DRAFT[x1] * P_TARGET  # plain sampling from the target
+            continue
+        keep = min(1.0, float(P_TARGET[x1] / P_DRAFT[x1]))
+        out[x1] += P_DRAFT[x1] * keep
+        out += P_DRAFT[x1] * (1.0 - keep) * residual_probs(P_TARGET, P_DRAFT)
+    return out
+
+
+def _first_token_monte_carlo(plan: Callable[[Conf], list[int]], trials: int, seed: int) -> torch.Tensor:
+    """Same law estimated by running the planner and accept_sampled on sampled drafts."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.stack([P_TARGET] * 3)  # [gamma+1, V]
+    draft = torch.stack([P_DRAFT] * 2)  # [gamma, V]
+    counts = torch.zeros(2, dtype=torch.float64)
+    xs = torch.multinomial(draft, trials, replacement=True, generator=g).T.tolist()  # [trials, 2]
+    for x1, x2 in xs:
+        length = plan([[C1, C2_AFTER[x1]]])[0]
+        acc = accept_sampled([x1, x2][:length], draft[:length], target[: length + 1], g)
+        counts[acc.tokens[0]] += 1
+    return counts / trials
+
+
+def test_appendix_a_early_stop_is_lossless() -> None:
+    plan = lambda conf: plan_algorithm1(conf, APPENDIX_TABLE)  # noqa: E731
+    torch.testing.assert_close(_first_token_distribution(plan), P_TARGET, atol=1e-12, rtol=0)
+    assert abs(float(_first_token_monte_carlo(plan, 3000, 0)[0]) - 0.7) < 0.04
+
+
+def test_appendix_a_without_early_stop_is_biased() -> None:
+    plan = lambda conf: plan_algorithm1(conf, APPENDIX_TABLE, early_stop=False)  # noqa: E731
+    assert plan([[C1, 0.9]]) == [2] and plan([[C1, 0.0]]) == [0]
+    biased = torch.tensor([0.85, 0.15], dtype=torch.float64)
+    torch.testing.assert_close(_first_token_distribution(plan), biased, atol=1e-12, rtol=0)
+    assert abs(float(_first_token_monte_carlo(plan, 3000, 1)[0]) - 0.85) < 0.04
+
+
+@pytest.mark.parametrize("lagged", [[], [0.0, 0.0], [0.8, 0.9], [1.0, 1.0], [0.99, 0.1]])
+def test_appendix_a_lagged_topk_is_lossless(lagged: list[float]) -> None:
+    plan = lambda conf: plan_lagged_topk(conf, [lagged], APPENDIX_TABLE)  # noqa: E731
+    torch.testing.assert_close(_first_token_distribution(plan), P_TARGET, atol=1e-12, rtol=0)
+
+
+# ---- lagged top-K ---------------------------------------------------------------------------------
+LAG_TABLE = SPSTable({2: 1.0, 3: 0.9, 4: 0.8, 5: 0.5, 6: 0.5, 7: 0.5, 8: 0.5})
+
+
+def test_lagged_budget_follows_lagged_confidences() -> None:
+    conf_now = [[0.9, 0.9, 0.9], [0.2, 0.2, 0.2]]  # current: request 0 far more promising
+    # lagged survival .9, .8 then zeros -> K = 2 (Theta 2, 2.61, 2.96, 1.85, ...), spent on request 0
+    assert plan_lagged_topk(conf_now, [[0.9, 0.0, 0.0], [0.8, 0.0, 0.0]], LAG_TABLE) == [2, 0]
+    assert plan_lagged_topk(conf_now, [[0.0] * 3, [0.0] * 3], LAG_TABLE) == [0, 0]
+    assert plan_lagged_topk(conf_now, [[1.0] * 3, [1.0] * 3], LAG_TABLE) == [3, 3]
+    # the same lagged input gives the same budget whatever the current confidences are
+    assert sum(plan_lagged_topk([[0.1] * 3, [0.95] * 3], [[0.9, 0.0, 0.0], [0.8, 0.0, 0.0]], LAG_TABLE)) == 2
+    # zero current survival is never verified even within budget
+    assert plan_lagged_topk([[0.9, 0.0, 0.5], [0.0, 0.3, 0.3]], [[1.0] * 3, [1.0] * 3], LAG_TABLE) == [1, 0]
+
+
+def test_lagged_budget_is_a_global_argmax() -> None:
+    table = SPSTable({1: 1.0, 2: 0.6, 3: 0.6, 4: 0.6})
+    # lagged survival .5 .5 .5: K=1 is worse than K=0, but K=3 is best (an early stop would give 0)
+    assert plan_lagged_topk([[0.7, 0.7, 0.7]], [[0.5, 1.0, 1.0]], table) == [3]
+
+
+def test_throughput_planner_uses_confidences_two_rounds_back() -> None:
+    table = SPSTable({1: 1.0, 2: 0.6, 3: 0.6, 4: 0.6})
+    planner = ThroughputPlanner(table)  # lagged variant
+    low, high = [0.1, 0.1, 0.1], [0.99, 0.99, 0.99]
+    # rounds 1-2: no history -> value-free prior (survival 1): budget argmax (1+K) SPS(1+K) = 3
+    assert planner.plan(["r"], [low]) == [3]
+    assert planner.plan(["r"], [high]) == [3]
+    assert planner.plan(["r"], [high]) == [0]  # uses round 1 (low): K=1 gives 1.1*.6 < 1
+    assert planner.plan(["r"], [low]) == [3]  # uses round 2 (high), spent on current survival > 0
+    planner.release("r")
+    assert planner.plan(["r"], [low]) == [3]  # history forgotten: prior again
+    alg1 = ThroughputPlanner(table, variant="algorithm1")
+    assert alg1.plan(["r"], [high]) == plan_algorithm1([high], table)
+
+
+def test_make_planner() -> None:
+    table = SPSTable({1: 1.0, 2: 0.9})
+    assert isinstance(make_planner("fixed", None), FixedPlanner)
+    threshold = make_planner("threshold", None, threshold=0.7)
+    assert isinstance(threshold, ThresholdPlanner) and threshold.threshold == 0.7
+    through = make_planner("throughput", table, variant="algorithm1")
+    assert isinstance(through, ThroughputPlanner) and isinstance(through, Planner)
+    with pytest.raises(ValueError, match="fixed.*threshold.*throughput"):
+        make_planner("magic", table)
+    with pytest.raises(ValueError, match="SPS table"):
+        make_planner("throughput", None)
+    with pytest.raises(ValueError, match="SPS table"):
+        ThroughputPlanner(None)
+    with pytest.raises(ValueError, match="variant"):
+        ThroughputPlanner(table, variant="greedy")
