@@ -34,7 +34,7 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, kv_cache_mb: int = 1024,
-                 max_model_len: int | None = None, block_size: int = 16):
+                 max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         if kv_cache_mb <= 0:
@@ -46,7 +46,7 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         c = self.decoder.config
         per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=_DTYPES[dtype]).element_size()
-        blocks = max(1, kv_cache_mb * 2**20 // (per_token * block_size))
+        blocks = num_kv_blocks or max(1, kv_cache_mb * 2**20 // (per_token * block_size))
         self.engine = LLMEngine(self.decoder, self.tokenizer, cache_blocks=blocks, block_size=block_size,
                                 scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
                                 max_model_len=max_model_len)
@@ -58,10 +58,15 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._params_list(params, len(prompts))
-        ids = []
-        for prompt, p in zip(prompts, params_list):
-            text, token_ids = self._encode(prompt)
-            ids.append(self.engine.add_request(token_ids, p, prompt=text))
+        encoded = [self._encode(p) for p in prompts]
+        ids: list[str] = []
+        try:
+            for (text, token_ids), p in zip(encoded, params_list):
+                ids.append(self.engine.add_request(token_ids, p, prompt=text))
+        except ValueError:
+            for request_id in ids:  # all or nothing: never leave half a batch queued
+                self.engine.abort(request_id)
+            raise
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.engine.step():

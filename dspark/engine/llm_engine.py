@@ -35,6 +35,7 @@ class EngineStats:
     accepted: int = 0
     committed: int = 0
     prefill_tokens: int = 0
+    preemptions: int = 0
     time_draft: float = 0.0
     time_plan: float = 0.0
     time_verify: float = 0.0
@@ -112,6 +113,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(1 + self.proposer.max_drafts)
         for seq in batch.preempted:
             self.proposer.release(seq)
+            self.stats.preemptions += 1
         if not batch.prefills and not batch.decodes:
             return []
         t0 = time.perf_counter()
