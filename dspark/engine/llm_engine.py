@@ -39,6 +39,7 @@ class EngineStats:
     time_draft: float = 0.0
     time_plan: float = 0.0
     time_verify: float = 0.0
+    ceiling_accepted: int = 0  # cap-accept, greedy requests: drafts the full window would have kept
 
 
 class LLMEngine:
@@ -46,12 +47,14 @@ class LLMEngine:
 
     def __init__(self, model: Decoder, tokenizer, *, cache_blocks: int, block_size: int = 16,
                  scheduler_config: SchedulerConfig | None = None, proposer: Proposer | None = None,
-                 planner=None, max_model_len: int | None = None):
+                 planner=None, verify_mode: str = "compact", max_model_len: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.cache: KVCache = model.new_cache(cache_blocks, block_size)
         self.proposer: Proposer = proposer or NoProposer()
         self.planner = planner
+        self.verify_mode = verify_mode  # static: verify every draft; compact: the planned windows;
+        # cap-accept: verify every draft but commit only the planned window (the acceptance ceiling)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache)
         self.runner = ModelRunner(model, self.cache, self.proposer.hidden_layers)
         self.max_model_len = min(max_model_len or model.config.max_position_embeddings,
@@ -124,8 +127,9 @@ class LLMEngine:
         windows = [Window(s.request_id, s.tokens[s.num_cached : s.num_cached + n], s.num_cached,
                           "last" if not s.output_token_ids and s.num_cached + n == s.prefill_target else "none")
                    for s, n in batch.prefills]
-        windows += [Window(s.request_id, [s.tokens[-1]] + proposal.tokens[i][: lengths[i]], s.num_cached, "all")
-                    for i, s in enumerate(batch.decodes)]
+        full = self.verify_mode == "cap-accept"
+        windows += [Window(s.request_id, [s.tokens[-1]] + proposal.tokens[i][: None if full else lengths[i]],
+                           s.num_cached, "all") for i, s in enumerate(batch.decodes)]
         result = self.runner.run(windows)
         t3 = time.perf_counter()
         changed = []
@@ -143,7 +147,7 @@ class LLMEngine:
 
     def _plan(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
         n = [len(t) for t in proposal.tokens]
-        if self.planner is None or not seqs:
+        if self.planner is None or not seqs or self.verify_mode == "static":
             return n
         lengths = self.planner.plan([s.request_id for s in seqs], proposal.confidences or [[1.0] * k for k in n])
         return [min(a, b) for a, b in zip(lengths, n)]
@@ -162,7 +166,9 @@ class LLMEngine:
 
     def _after_verify(self, seq: Sequence, proposal: Proposal, i: int, l: int, logits, hidden) -> list[Sequence]:
         drafts = proposal.tokens[i][:l]
-        acc = self._accept(seq, drafts, proposal.probs[i], logits)
+        if self.verify_mode == "cap-accept" and seq.params.greedy:
+            self.stats.ceiling_accepted += accept_greedy(proposal.tokens[i], logits).num_accepted
+        acc = self._accept(seq, drafts, proposal.probs[i], logits[: l + 1])
         start = seq.num_cached
         committed = self._commit(seq, acc.tokens)
         # the cache keeps the anchor and the accepted drafts; the rejected tail is dropped

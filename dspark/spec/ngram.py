@@ -30,3 +30,27 @@ def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1)
             start = int(found[-1]) + n
             return seq[start : start + k].tolist()
     return []
+
+
+class NgramProposer:
+    """Prompt lookup over prompt + generated text: no model, no confidences (verify all drafts)."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, num_drafts: int = 7, max_n: int = 3, min_n: int = 1):
+        if num_drafts < 1 or min_n < 1 or max_n < min_n:
+            raise ValueError(f"ngram needs num_drafts >= 1 and 1 <= min_n <= max_n, got "
+                             f"{num_drafts}, {min_n}, {max_n}")
+        self.max_drafts, self.max_n, self.min_n = num_drafts, max_n, min_n
+
+    def propose(self, seqs):
+        from dspark.spec.proposer import Proposal
+
+        tokens = [propose_ngram(s.tokens, self.max_drafts, self.max_n, self.min_n) for s in seqs]
+        return Proposal(tokens=tokens, probs=[None] * len(seqs), confidences=None)
+
+    def observe(self, seq, hidden, start) -> None:
+        pass
+
+    def release(self, seq) -> None:
+        pass

@@ -1,0 +1,84 @@
+"""Build the (proposer, planner) pair for a SpeculativeConfig."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dspark.models.decoder import Decoder
+from dspark.models.embedded import embedded_model_dir
+from dspark.spec.config import SpeculativeConfig
+from dspark.spec.cost_table import SPSTable
+from dspark.spec.planners import Planner, make_planner
+from dspark.spec.proposer import NoProposer, Proposer
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+SHIPPED = {"DSPARK": "smollm2-135m-dspark", "DFLASH": "smollm2-135m-dflash"}
+
+
+def shipped_drafter(algorithm: str) -> Path:
+    """The drafter this project trained and ships for the embedded target."""
+    path = CHECKPOINTS / SHIPPED[algorithm]
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no shipped {algorithm} drafter at {path}; pass draft_model=PATH")
+    return path
+
+
+def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -> Proposer:
+    """NONE -> plain decoding; NGRAM -> prompt lookup; DSPARK / DFLASH -> the block drafter."""
+    if cfg.algorithm == "NONE":
+        return NoProposer()
+    if cfg.algorithm == "NGRAM":
+        from dspark.spec.ngram import NgramProposer
+
+        return NgramProposer(cfg.block_size or 7, max_n=cfg.ngram_max_n)
+    from dspark.drafters import DSparkDrafter
+    from dspark.drafters.io import read_sts
+    from dspark.spec.block_drafter import BlockDrafterProposer
+
+    if cfg.draft_model is None:
+        if Path(model_path).resolve() != embedded_model_dir().resolve():
+            raise ValueError(f"{cfg.algorithm} on {model_path} needs draft_model=PATH "
+                             "(the shipped drafter is for the embedded SmolLM2 target)")
+        path = shipped_drafter(cfg.algorithm)
+    else:
+        path = Path(cfg.draft_model).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"draft model {str(path)!r} is not a drafter directory (no config.json)")
+    drafter = DSparkDrafter.from_pretrained(path, decoder.embed_tokens.weight, decoder.lm_head.weight)
+    _check_compatible(drafter, decoder, path)
+    if cfg.algorithm == "DFLASH":
+        if drafter.markov_head is not None or drafter.confidence_head is not None:
+            raise ValueError(f"{path} is a DSpark drafter; DFLASH needs markov_rank=0 and no confidence head")
+    if cfg.block_size is not None and cfg.block_size > drafter.config.block_size:
+        raise ValueError(f"block_size {cfg.block_size} exceeds the drafter's trained block size "
+                         f"{drafter.config.block_size}")
+    drafter = drafter.to(dtype=decoder.dtype, device=decoder.device).eval()
+    sts = read_sts(Path(cfg.sts_path)) if cfg.sts_path else None
+    if cfg.sts_path and sts is None:
+        raise FileNotFoundError(f"STS file {cfg.sts_path!r} not found")
+    return BlockDrafterProposer(drafter, sts, max_drafts=cfg.block_size)
+
+
+def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, model_path: Path,
+                  max_batch_tokens: int) -> Planner | None:
+    """Planner for drafters with a confidence head; everything else verifies all its drafts."""
+    if cfg.algorithm != "DSPARK" or cfg.verify_mode == "static" or cfg.planner == "fixed":
+        return None
+    if cfg.planner == "threshold":
+        return make_planner("threshold", threshold=cfg.threshold)
+    if cfg.sps_table:
+        table = SPSTable.load(cfg.sps_table)
+    else:
+        from dspark.spec.profile import load_or_profile
+
+        table = load_or_profile(model_path, decoder, max_batch_tokens)
+    return make_planner("throughput", table, variant=cfg.throughput_variant)
+
+
+def _check_compatible(drafter, decoder: Decoder, path: Path) -> None:
+    c, t = drafter.config, decoder.config
+    if c.hidden_size != t.hidden_size or c.vocab_size != t.vocab_size:
+        raise ValueError(f"drafter {path} (hidden {c.hidden_size}, vocab {c.vocab_size}) does not fit the target "
+                         f"(hidden {t.hidden_size}, vocab {t.vocab_size})")
+    bad = [i for i in c.target_layer_ids if not 0 <= i < t.num_layers]
+    if bad:
+        raise ValueError(f"drafter {path} reads target layers {bad}; the target has {t.num_layers}")

@@ -1,0 +1,87 @@
+"""`dspark train-data`, `dspark train`, `dspark calibrate`: registered into the main CLI by register()."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    """Add the train-data, train and calibrate subcommands to an argparse subparsers object."""
+    d = sub.add_parser("train-data", help="have the target answer training prompts (resumable shards)")
+    d.add_argument("--out", required=True, help="output directory for shard_*.pt + manifest.json")
+    d.add_argument("--prompts", action="append", default=[], metavar="PATH[:N]",
+                   help="JSONL prompt file ('question' / 'turns' / 'prompt' field), optionally :N prompts; repeat")
+    d.add_argument("--code-prompts", type=int, default=0, metavar="N",
+                   help="add up to N code prompts derived from Python stdlib docstrings")
+    d.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
+    d.add_argument("--shard-size", type=int, default=64)
+    d.add_argument("--max-tokens", type=int, default=256)
+    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (DeepSpec: 0.7, top-p 0.8, top-k 20)")
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--top-k", type=int, default=-1)
+    d.add_argument("--max-num-seqs", type=int, default=64)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--time-limit", type=float, default=None, help="stop cleanly after this many seconds")
+    d.set_defaults(func=_train_data)
+
+    t = sub.add_parser("train", help="train a DSpark / DFlash drafter on train-data shards")
+    from dspark.train.trainer import add_train_args
+
+    add_train_args(t)
+    t.set_defaults(func=_train)
+
+    c = sub.add_parser("calibrate", help="fit STS temperatures on held-out sequences, write sts.json")
+    from dspark.train.sts import add_calibrate_args
+
+    add_calibrate_args(c)
+    c.set_defaults(func=_calibrate)
+
+
+def _train_data(args: argparse.Namespace) -> int:
+    from dspark.train.datagen import generate_shards, mix_prompts, read_prompt_file, stdlib_code_prompts
+
+    groups, limits = {}, {}
+    for spec in args.prompts:
+        path, _, n = spec.partition(":") if not spec.rsplit(":", 1)[-1].isdigit() else spec.rpartition(":")
+        prompts = read_prompt_file(path)
+        groups[prompts[0].source] = prompts
+        limits[prompts[0].source] = int(n) if n else None
+    if args.code_prompts:
+        groups["stdlib_code"] = stdlib_code_prompts()
+        limits["stdlib_code"] = args.code_prompts
+    if not groups:
+        raise ValueError("give at least one --prompts PATH or --code-prompts N")
+    prompts = mix_prompts(groups, limits, args.seed)
+    man = generate_shards(prompts, args.out, model=args.model, shard_size=args.shard_size,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.seed, time_limit=args.time_limit,
+                          max_num_seqs=args.max_num_seqs)
+    done = sum(s["sequences"] for s in man["shards"].values())
+    print(json.dumps({"shards": len(man["shards"]), "sequences": done, "of": len(prompts)}))
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dspark.train.trainer import run_from_args
+
+    return run_from_args(args)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from dspark.train.sts import run_from_args
+
+    return run_from_args(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (python -m dspark.train.cli ...), same subcommands as `dspark`."""
+    parser = argparse.ArgumentParser(prog="dspark")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

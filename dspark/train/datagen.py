@@ -1,0 +1,217 @@
+"""Resumable training-data generation: the target answers prompts with dspark's own batched engine."""
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+SHARD = "shard_{:05d}.pt"
+# Pure-Python stdlib modules whose public functions make reasonable "write this function" prompts.
+CODE_MODULES = ("string", "textwrap", "statistics", "heapq", "bisect", "fnmatch", "posixpath", "shlex",
+                "base64", "html", "difflib", "calendar", "colorsys", "fractions", "random", "glob", "json",
+                "urllib.parse", "csv", "operator", "functools", "itertools", "copy", "keyword", "math",
+                "os", "shutil", "tempfile", "filecmp", "zlib", "binascii", "quopri", "uu", "secrets",
+                "ipaddress", "datetime", "time", "re", "struct", "gzip", "zipfile", "tarfile", "email.utils",
+                "http.cookies", "mimetypes", "locale", "gettext", "platform", "inspect", "ast", "tokenize",
+                "pprint", "reprlib", "enum", "graphlib", "sched", "queue", "weakref", "types", "collections")
+
+
+@dataclass
+class Prompt:
+    """One training prompt: its user text and the source it came from."""
+
+    text: str
+    source: str
+
+
+@dataclass
+class Recipe:
+    """Everything that determines the generated data (stored in the manifest and checkpoint metadata)."""
+
+    sources: dict[str, int] = field(default_factory=dict)  # source name -> prompts taken
+    total_prompts: int = 0
+    shard_size: int = 64
+    seed: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    chat_template: bool = True
+    model_path: str = ""
+
+
+def read_prompt_file(path: str | Path) -> list[Prompt]:
+    """JSONL prompts: {"question"} (GSM8K), {"turns": [...]} (first turn), {"prompt"} or {"text"}."""
+    path = Path(path)
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if isinstance(row.get("turns"), list) and row["turns"]:
+            text = row["turns"][0]
+        else:
+            text = row.get("question") or row.get("prompt") or row.get("text")
+        if isinstance(text, str) and text.strip():
+            out.append(Prompt(text.strip(), path.stem))
+    if not out:
+        raise ValueError(f"{path}: no prompts found (expected 'question', 'turns', 'prompt' or 'text' fields)")
+    return out
+
+
+def stdlib_code_prompts(limit: int | None = None) -> list[Prompt]:
+    """'Write a Python function `name(args)` that ...' prompts from stdlib docstrings (no network, cheap)."""
+    import importlib
+    import warnings
+
+    seen, out = set(), []
+    for name in CODE_MODULES:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for fname, fn in sorted(vars(mod).items()):
+            if fname.startswith("_") or not inspect.isfunction(fn) or fname in seen:
+                continue
+            summary = _first_sentence(inspect.getdoc(fn) or "")
+            try:
+                sig = str(inspect.signature(fn))
+            except (TypeError, ValueError):
+                continue
+            if len(summary) < 20 or len(sig) > 80:
+                continue
+            seen.add(fname)
+            verb = summary[0].lower() + summary[1:]
+            out.append(Prompt(f"Write a Python function `{fname}{sig}` that does the following: {verb} "
+                              "Include a short docstring and an example.", "stdlib_code"))
+    return out[:limit] if limit is not None else out
+
+
+def _first_sentence(doc: str) -> str:
+    """The first sentence of a docstring, whitespace-normalised."""
+    text = " ".join(doc.split("\n\n")[0].split())
+    m = re.match(r"(.+?[.!?])(\s|$)", text)
+    return (m.group(1) if m else text).strip()
+
+
+def mix_prompts(groups: dict[str, list[Prompt]], limits: dict[str, int | None], seed: int) -> list[Prompt]:
+    """Take up to limits[source] prompts per source and interleave them in a seeded shuffle."""
+    rng = random.Random(seed)
+    mixed = []
+    for name, prompts in groups.items():
+        take = list(prompts)
+        rng.shuffle(take)
+        lim = limits.get(name)
+        mixed += take[:lim] if lim is not None else take
+    rng.shuffle(mixed)
+    return mixed
+
+
+def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | None = None,
+                    shard_size: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
+                    max_tokens: int = 256, seed: int = 0, time_limit: float | None = None,
+                    max_num_seqs: int = 64, log=print) -> dict[str, Any]:
+    """Generate responses shard by shard into out_dir, skipping finished shards; returns the manifest."""
+    from dspark import LLM, SamplingParams
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = Recipe(sources=_count(prompts), total_prompts=len(prompts), shard_size=shard_size, seed=seed,
+                    temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
+    manifest = _load_manifest(out, recipe)
+    llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, max_num_seqs * 8))
+    recipe.model_path = str(llm.model_path)
+    manifest["recipe"]["model_path"] = recipe.model_path
+    start = time.perf_counter()
+    n_shards = (len(prompts) + shard_size - 1) // shard_size
+    for i in range(n_shards):
+        path = out / SHARD.format(i)
+        if path.exists():
+            continue
+        if time_limit is not None and time.perf_counter() - start > time_limit:
+            log(f"time limit reached after {len(manifest['shards'])} shards; rerun to continue")
+            break
+        chunk = prompts[i * shard_size:(i + 1) * shard_size]
+        t0 = time.perf_counter()
+        texts = [llm.apply_chat_template([{"role": "user", "content": p.text}]) for p in chunk]
+        params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                 seed=None if temperature == 0 else seed * 1_000_003 + i * shard_size + j)
+                  for j in range(len(chunk))]
+        results = llm.generate(texts, params)
+        seqs, plens = [], []
+        for text, res in zip(texts, results):
+            prompt_ids = llm.tokenizer.encode(text, add_special_tokens=False)
+            seqs.append(prompt_ids + list(res.token_ids))
+            plens.append(len(prompt_ids))
+        shard = {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+                 "offsets": torch.tensor([0] + list(_cumsum(len(s) for s in seqs)), dtype=torch.int64),
+                 "prompt_lens": torch.tensor(plens, dtype=torch.int64),
+                 "sources": [p.source for p in chunk],
+                 "finish": [r.finish_reason for r in results]}
+        tmp = path.with_suffix(".tmp")
+        torch.save(shard, tmp)
+        tmp.replace(path)  # atomic: a killed run never leaves a half shard
+        resp = sum(len(s) - p for s, p in zip(seqs, plens))
+        dt = time.perf_counter() - t0
+        manifest["shards"][path.name] = {"sequences": len(seqs), "response_tokens": resp, "seconds": round(dt, 1)}
+        _write_manifest(out, manifest)
+        log(f"{path.name}: {len(seqs)} seqs, {resp} response tokens, {dt:.0f} s ({resp / dt:.1f} tok/s)")
+    return manifest
+
+
+def _count(prompts: list[Prompt]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for p in prompts:
+        counts[p.source] = counts.get(p.source, 0) + 1
+    return counts
+
+
+def _cumsum(values) -> list[int]:
+    total, out = 0, []
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def _load_manifest(out: Path, recipe: Recipe) -> dict[str, Any]:
+    """Existing manifest (its recipe must match, except model_path) or a fresh one."""
+    path = out / MANIFEST
+    fresh = {"recipe": asdict(recipe), "shards": {}, "format": "dspark-train-data/1",
+             "loss_mask": "positions >= prompt_len (assistant tokens, stop token included)"}
+    if not path.exists():
+        return fresh
+    old = json.loads(path.read_text())
+    mine = {k: v for k, v in asdict(recipe).items() if k != "model_path"}
+    theirs = {k: v for k, v in old.get("recipe", {}).items() if k != "model_path"}
+    if mine != theirs:
+        raise ValueError(f"{path} was written with a different recipe; use a new output dir\n"
+                         f"  existing: {theirs}\n  now:      {mine}")
+    return old
+
+
+def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(out / MANIFEST)
+
+
+def load_sequences(data_dir: str | Path) -> list[tuple[torch.Tensor, int, str]]:
+    """All (token ids int64 [L], prompt_len, source) of the finished shards, in shard order."""
+    out = []
+    for path in sorted(Path(data_dir).glob("shard_*.pt")):
+        s = torch.load(path)
+        off = s["offsets"].tolist()
+        for j in range(len(off) - 1):
+            out.append((s["tokens"][off[j]:off[j + 1]].long(), int(s["prompt_lens"][j]), s["sources"][j]))
+    return out

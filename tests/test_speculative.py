@@ -1,0 +1,164 @@
+"""Every proposer and every planner is lossless: greedy output equals plain decoding token for token,
+stops inside an accepted prefix land exactly where plain decoding puts them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.drafters import DrafterConfig, DSparkDrafter
+from dspark.models.loader import load_decoder
+
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7],  # repetitive: n-gram drafts get accepted
+    [8, 8, 4000, 12, 13],
+    [99, 98, 97, 96, 95, 94, 93, 92, 91, 90, 89, 88, 87],
+]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def save_random_drafter(target_dir, out_dir, *, dspark: bool, seed: int = 0):
+    """A random-weight drafter for the tiny target (acceptance is low, the plumbing is exercised)."""
+    dec = load_decoder(target_dir)
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(json.loads((target_dir / "config.json").read_text()), num_layers=1,
+                                   block_size=4, target_layer_ids=(0, 2), markov_rank=16 if dspark else 0,
+                                   confidence_head=dspark)
+    DSparkDrafter(cfg, dec.embed_tokens.weight, dec.lm_head.weight).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafters")
+    return {"DSPARK": save_random_drafter(tiny_llama_dir, root / "dspark", dspark=True),
+            "DFLASH": save_random_drafter(tiny_llama_dir, root / "dflash", dspark=False)}
+
+
+@pytest.fixture(scope="module")
+def sps_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sps") / "sps.json"
+    # a jagged curve with a cliff after 2 tokens, like the LM-head kernel switch on this CPU
+    sps = {str(b): (100.0 if b == 1 else 60.0 if b == 2 else 55.0 - b) for b in range(1, 40)}
+    path.write_text(json.dumps({"version": 1, "model": "tiny", "dtype": "float32", "threads": 1,
+                                "torch": torch.__version__, "device": "cpu", "sps": sps}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, kv_cache_mb=8)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+CASES = [
+    dict(speculative_algorithm="NGRAM"),
+    dict(speculative_algorithm="NGRAM", num_draft_tokens=2),
+    dict(speculative_algorithm="DFLASH"),
+    dict(speculative_algorithm="DSPARK", planner="fixed"),
+    dict(speculative_algorithm="DSPARK", planner="threshold", threshold=0.5),
+    dict(speculative_algorithm="DSPARK", planner="throughput"),
+    dict(speculative_algorithm="DSPARK", planner="throughput", throughput_variant="algorithm1"),
+    dict(speculative_algorithm="DSPARK", verify_mode="static"),
+    dict(speculative_algorithm="DSPARK", verify_mode="cap-accept"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_greedy_is_lossless(case, tiny_llama_dir, drafters, sps_file, plain):
+    kw = dict(case)
+    algo = kw["speculative_algorithm"]
+    if algo in drafters:
+        kw["draft_model"] = drafters[algo]
+        kw["sps_table"] = sps_file
+    llm = LLM(tiny_llama_dir, kv_cache_mb=8, **kw)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    for o in outs:
+        assert sum(o.accept_lengths) == len(o.token_ids) - 1  # the first token comes from prefill
+    assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
+
+
+def test_ngram_accepts_on_repetitive_text(tiny_llama_dir, plain):
+    llm = LLM(tiny_llama_dir, kv_cache_mb=8, speculative_algorithm="NGRAM")
+    out = llm.generate([PROMPTS[0]], GREEDY)[0]
+    assert out.token_ids == plain[0]
+    assert llm.engine.stats.accepted > 0
+
+
+def test_stops_inside_an_accepted_prefix(tiny_llama_dir, plain):
+    ngram = LLM(tiny_llama_dir, kv_cache_mb=8, speculative_algorithm="NGRAM")
+    base = LLM(tiny_llama_dir, kv_cache_mb=8)
+    for n in range(1, 10):  # every truncation point inside multi-token rounds
+        p = SamplingParams(max_tokens=n, ignore_eos=True)
+        assert ngram.generate([PROMPTS[0]], p)[0].token_ids == plain[0][:n]
+    stop_tok = plain[0][6]
+    p = SamplingParams(max_tokens=24, stop_token_ids=[stop_tok], ignore_eos=True)
+    got, want = ngram.generate([PROMPTS[0]], p)[0], base.generate([PROMPTS[0]], p)[0]
+    assert (got.token_ids, got.finish_reason) == (want.token_ids, "stop")
+
+
+def test_seeded_sampling_reproducible(tiny_llama_dir, drafters, sps_file):
+    llm = LLM(tiny_llama_dir, kv_cache_mb=8, speculative_algorithm="DSPARK", draft_model=drafters["DSPARK"],
+              sps_table=sps_file)
+    p = SamplingParams(max_tokens=16, temperature=0.8, top_k=40, top_p=0.95, seed=3, ignore_eos=True)
+    a = llm.generate(PROMPTS, p)
+    b = llm.generate(PROMPTS, p)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(speculative_algorithm="EAGLE"), "speculative_algorithm"),
+    (dict(speculative_algorithm="DSPARK", planner="magic"), "planner"),
+    (dict(speculative_algorithm="DSPARK", verify_mode="loose"), "verify_mode"),
+    (dict(speculative_algorithm="NGRAM", num_draft_tokens=0), "block_size"),
+    (dict(speculative_algorithm="NGRAM", draft_model="x"), "draft_model"),
+])
+def test_bad_speculative_options(tiny_llama_dir, kw, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_llama_dir, **kw)
+
+
+def test_drafter_mismatch_and_missing(tiny_llama_dir, drafters, tmp_path):
+    with pytest.raises(ValueError, match="needs draft_model"):
+        LLM(tiny_llama_dir, speculative_algorithm="DSPARK")
+    with pytest.raises(FileNotFoundError, match="not a drafter directory"):
+        LLM(tiny_llama_dir, speculative_algorithm="DSPARK", draft_model=tmp_path)
+    with pytest.raises(ValueError, match="DSpark drafter"):
+        LLM(tiny_llama_dir, speculative_algorithm="DFLASH", draft_model=drafters["DSPARK"])
+    with pytest.raises(ValueError, match="exceeds"):
+        LLM(tiny_llama_dir, speculative_algorithm="DSPARK", draft_model=drafters["DSPARK"], num_draft_tokens=9,
+            planner="fixed")
+
+
+def test_profile_writes_a_usable_table(tiny_llama_dir):
+    from dspark.spec.profile import profile_sps
+
+    table = profile_sps(load_decoder(tiny_llama_dir), [1, 2, 4], context=8, repeats=2, progress=False)
+    assert table.max_tokens == 4 and all(table.sps(b) > 0 for b in (1, 2, 3, 4, 8))
+
+
+def test_accepted_drafts_feed_the_drafter_context(tiny_llama_dir, drafters, sps_file, plain):
+    """Drafts that are partly right (the plain continuation, then junk): outputs stay lossless, drafts get
+    accepted, and the drafter's context always covers exactly the committed positions."""
+    llm = LLM(tiny_llama_dir, kv_cache_mb=8, speculative_algorithm="DSPARK", draft_model=drafters["DSPARK"],
+              planner="fixed")
+    proposer = llm.engine.proposer
+    real_propose = proposer.propose
+    truth = {tuple(p): p + out for p, out in zip(PROMPTS, plain)}
+
+    def oracle(seqs):
+        proposal = real_propose(seqs)
+        for seq, toks in zip(seqs, proposal.tokens):
+            assert proposer._caches[seq.request_id].length == seq.num_cached == seq.num_tokens - 1
+            full = truth[tuple(seq.prompt_token_ids)]
+            right = full[seq.num_tokens : seq.num_tokens + 2]
+            toks[: len(right)] = right
+        return proposal
+
+    proposer.propose = oracle
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert llm.engine.stats.accepted >= len(PROMPTS) * 2
