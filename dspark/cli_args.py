@@ -1,0 +1,49 @@
+"""Command-line options shared by `dspark generate`, `dspark serve` and `dspark bench`
+(names mirror SGLang's server flags)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from dspark.spec.config import ALGORITHMS, PLANNERS, VERIFY_MODES
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="local Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-algorithm", type=str.upper, default="NONE", choices=ALGORITHMS)
+    g.add_argument("--speculative-draft-model-path", dest="draft_model", default=None,
+                   help="drafter directory (default for DSPARK / DFLASH: the shipped drafter)")
+    g.add_argument("--speculative-dspark-block-size", dest="block_size", type=int, default=None,
+                   help="drafts per round (gamma); default: the drafter's")
+    g.add_argument("--speculative-num-draft-tokens", dest="num_draft_tokens", type=int, default=None,
+                   help="SGLang's name: must equal block size + 1 (anchor + drafts)")
+    g.add_argument("--speculative-dspark-planner", dest="planner", default="throughput", choices=PLANNERS)
+    g.add_argument("--speculative-dspark-threshold", dest="threshold", type=float, default=0.5)
+    g.add_argument("--speculative-dspark-sps-table-path", dest="sps_table", default=None)
+    g.add_argument("--speculative-dspark-confidence-sts-path", dest="sts_path", default=None)
+    g.add_argument("--ragged-verify-mode", dest="verify_mode", default=None, choices=VERIFY_MODES,
+                   help="default: $SGLANG_RAGGED_VERIFY_MODE or compact")
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(...) keyword arguments from the parsed flags; ValueError for inconsistent ones."""
+    block = args.block_size
+    if args.num_draft_tokens is not None:
+        if block is None:
+            block = args.num_draft_tokens - 1
+        elif args.num_draft_tokens != block + 1:
+            raise ValueError(f"--speculative-num-draft-tokens ({args.num_draft_tokens}) must equal "
+                             f"--speculative-dspark-block-size + 1 ({block + 1})")
+    mode = args.verify_mode or os.environ.get("SGLANG_RAGGED_VERIFY_MODE") or "compact"
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"SGLANG_RAGGED_VERIFY_MODE must be one of {', '.join(VERIFY_MODES)}, got {mode!r}")
+    return dict(speculative_algorithm=args.speculative_algorithm, draft_model=args.draft_model,
+                num_draft_tokens=block, planner=args.planner, threshold=args.threshold, sps_table=args.sps_table,
+                sts_path=args.sts_path, verify_mode=mode)

@@ -1,0 +1,128 @@
+"""The core subcommands: prepare, generate, profile, demo."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from dspark.cli_args import add_model_args, add_speculative_args, speculative_kwargs
+
+
+def register(sub) -> None:
+    p = sub.add_parser("prepare", help="convert the embedded default model once (safe to repeat)")
+    p.set_defaults(func=prepare)
+
+    g = sub.add_parser("generate", help="answer one prompt, streaming the text")
+    g.add_argument("prompt")
+    add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
+    g.add_argument("--json", action="store_true", help="print one JSON result instead of streaming text")
+    add_speculative_args(g)
+    g.set_defaults(func=generate)
+
+    f = sub.add_parser("profile", help="measure the target's steps/s per verify batch size (the SPS table)")
+    add_model_args(f)
+    f.add_argument("--max-tokens", type=int, default=128, help="largest verify batch to measure, in tokens")
+    f.add_argument("--repeats", type=int, default=5)
+    f.add_argument("--out", default=None, help="JSON path (default: print it)")
+    f.set_defaults(func=profile)
+
+    d = sub.add_parser("demo", help="the same prompt with plain decoding and with DSpark, side by side")
+    add_model_args(d)
+    d.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
+    d.add_argument("--max-tokens", type=int, default=128)
+    add_speculative_args(d)
+    d.set_defaults(func=demo, speculative_algorithm="DSPARK")
+
+
+def prepare(args) -> int:
+    from dspark.models.embedded import ensure_embedded_model
+
+    print(ensure_embedded_model())
+    return 0
+
+
+def _sampling(args):
+    from dspark import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.seed)
+
+
+def generate(args) -> int:
+    from dspark import LLM
+
+    params = _sampling(args)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, **speculative_kwargs(args))
+    prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    start = time.perf_counter()
+    shown, out = "", None
+    for out in llm.stream(prompt, params):
+        if not args.json and out.text.startswith(shown) and not out.text.endswith("\ufffd"):
+            sys.stdout.write(out.text[len(shown):])
+            sys.stdout.flush()
+            shown = out.text
+    seconds = time.perf_counter() - start
+    n = len(out.token_ids)
+    summary = {"tokens": n, "seconds": round(seconds, 3), "tokens_per_s": round(n / seconds, 2),
+               "finish_reason": out.finish_reason, "mean_accept_length": round(out.mean_accept_length, 3)}
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, **summary}))
+    else:
+        if out.text.startswith(shown):
+            sys.stdout.write(out.text[len(shown):])
+        spec = f", accept length {out.mean_accept_length:.2f}" if args.speculative_algorithm != "NONE" else ""
+        print(f"\n[{n} tokens in {seconds:.2f} s, {n / seconds:.1f} tokens/s{spec}, finish: {out.finish_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+def profile(args) -> int:
+    import torch
+
+    from dspark.llm import _DTYPES, resolve_model_path
+    from dspark.models.loader import load_decoder
+    from dspark.spec.profile import default_sizes, profile_sps
+
+    path = resolve_model_path(args.model)
+    decoder = load_decoder(path, dtype=_DTYPES[args.dtype], device=args.device)
+    table = profile_sps(decoder, default_sizes(args.max_tokens), repeats=args.repeats, name=path.name)
+    if args.out:
+        table.save(args.out)
+        print(f"wrote {args.out} ({torch.get_num_threads()} threads)", file=sys.stderr)
+    else:
+        print(json.dumps(table.to_dict(), indent=2))
+    return 0
+
+
+def demo(args) -> int:
+    """Plain decoding vs the chosen speculative method on one prompt: identical text, and the speedup."""
+    from dspark import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens)
+    spec = speculative_kwargs(args)
+    runs = []
+    for label, kw in (("plain decoding", {}), (spec["speculative_algorithm"], spec)):
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, **kw)
+        conv = [{"role": "user", "content": args.prompt}]
+        llm.chat(conv, SamplingParams(max_tokens=8))  # warm-up
+        t = time.perf_counter()
+        out = llm.chat(conv, params)[0]
+        runs.append((label, out, time.perf_counter() - t))
+    print(f"prompt: {args.prompt}\n")
+    for label, out, sec in runs:
+        print(f"--- {label} ---\n{out.text}\n")
+    (_, base, t0), (label, fast, t1) = runs
+    identical = base.token_ids == fast.token_ids
+    print(f"{'method':<16}{'tokens':>8}{'tokens/s':>10}{'accept len':>12}")
+    for name, out, sec in runs:
+        acc = f"{out.mean_accept_length:.2f}" if name != "plain decoding" else "1.00"
+        print(f"{name:<16}{len(out.token_ids):>8}{len(out.token_ids) / sec:>10.1f}{acc:>12}")
+    speed0, speed1 = len(base.token_ids) / t0, len(fast.token_ids) / t1
+    print(f"\ntexts identical: {'yes' if identical else 'NO'}    speedup: {speed1 / speed0:.2f}x")
+    return 0 if identical else 1
