@@ -39,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < 1e-5  # below this, warped logits overflow: treat as greedy (as vLLM does)
 
 
 def _is_number(x: object) -> bool:

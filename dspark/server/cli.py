@@ -1,0 +1,159 @@
+"""`dspark serve` (also `python -m dspark.serve`): the OpenAI-compatible server with SGLang's flag
+names. Every flag is checked before the model loads, so a bad combination fails in a second."""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from dspark.cli_args import add_model_args, add_speculative_args, speculative_kwargs
+
+log = logging.getLogger("dspark.server")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (SGLang-style flags)",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
+                                   "/metrics. With no flags: the embedded model and its shipped DSpark drafter.")
+    add_serve_args(p)
+    p.set_defaults(func=serve)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument("--served-model-name", default=None,
+                   help="model id in the API (default: the model's directory name)")
+    g.add_argument("--max-running-requests", type=int, default=32, help="requests in the running batch")
+    g.add_argument("--max-queued-requests", type=int, default=128,
+                   help="admitted requests waiting beyond the running batch; more are answered 429")
+    g.add_argument("--context-length", type=int, default=None,
+                   help="max prompt + completion tokens (default: the model's)")
+    g.add_argument("--chunked-prefill-size", type=int, default=512, help="prefill tokens per engine step")
+    g.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (default: 1 GiB)")
+    g.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies are answered 413")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_speculative_args(p)
+    p.set_defaults(speculative_algorithm=None)  # None: DSPARK on the embedded model when its drafter ships
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Validate flags, bind the port, load and warm up the model, then serve until interrupted."""
+    from dspark.server.config import ServerConfig
+    from dspark.server.launch import bind_socket, run_server
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
+                          max_request_bytes=args.max_request_bytes)
+    kwargs = llm_kwargs(args)
+    sock = bind_socket(config.host, config.port)
+    log.info("flags checked: model %s, speculative %s, verify %s, %d running + %d queued requests, %s:%d",
+             kwargs["model"], kwargs["speculative_algorithm"], kwargs["verify_mode"], kwargs["max_num_seqs"],
+             config.max_queued_requests, config.host, sock.getsockname()[1])
+    llm = load_llm(kwargs)
+    warm_up(llm)
+    run_server(llm, config, sock, log_level=args.log_level)
+    return 0
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(...) keyword arguments from the flags; ValueError / FileNotFoundError for bad ones, fast."""
+    from dspark.llm import resolve_model_path
+    from dspark.spec.config import SpeculativeConfig
+
+    for flag, value, least in (("--max-running-requests", args.max_running_requests, 1),
+                               ("--chunked-prefill-size", args.chunked_prefill_size, 1),
+                               ("--context-length", args.context_length, 2),
+                               ("--max-total-tokens", args.max_total_tokens, 16)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    args.speculative_algorithm = _default_algorithm(args)
+    spec = speculative_kwargs(args)
+    _check_combination(spec, args)
+    SpeculativeConfig(algorithm=spec["speculative_algorithm"], draft_model=spec["draft_model"],
+                      block_size=spec["num_draft_tokens"], planner=spec["planner"], threshold=spec["threshold"],
+                      verify_mode=spec["verify_mode"])  # its own checks, before anything loads
+    model = resolve_model_path(args.model)
+    _check_files(spec, model, args)
+    kv = {} if args.max_total_tokens is None else {"num_kv_blocks": -(-args.max_total_tokens // 16)}
+    return dict(model=model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_running_requests,
+                max_num_batched_tokens=args.chunked_prefill_size, max_model_len=args.context_length, **kv, **spec)
+
+
+def _default_algorithm(args: argparse.Namespace) -> str:
+    if args.speculative_algorithm is not None:
+        return args.speculative_algorithm
+    if args.draft_model is not None:
+        return "DSPARK"
+    if args.model is None:
+        from dspark.spec.factory import shipped_drafter
+
+        try:
+            shipped_drafter("DSPARK")
+            return "DSPARK"
+        except FileNotFoundError as e:
+            log.warning("%s; serving with plain decoding (--speculative-algorithm NONE)", e)
+    return "NONE"
+
+
+def _check_combination(spec: dict, args: argparse.Namespace) -> None:
+    algo = spec["speculative_algorithm"]
+    if algo == "NONE" and spec["num_draft_tokens"] is not None:
+        raise ValueError("--speculative-dspark-block-size / --speculative-num-draft-tokens need "
+                         "--speculative-algorithm NGRAM, DFLASH or DSPARK")
+    for flag, value in (("--speculative-dspark-sps-table-path", spec["sps_table"]),
+                        ("--speculative-dspark-confidence-sts-path", spec["sts_path"])):
+        if value is not None and algo != "DSPARK":
+            raise ValueError(f"{flag} is only used with --speculative-algorithm DSPARK, not {algo}")
+    if spec["sps_table"] is not None and (spec["planner"] != "throughput" or spec["verify_mode"] == "static"):
+        raise ValueError("--speculative-dspark-sps-table-path is only read by the throughput planner "
+                         "(--speculative-dspark-planner throughput, --ragged-verify-mode compact or cap-accept)")
+
+
+def _check_files(spec: dict, model: Path, args: argparse.Namespace) -> None:
+    from dspark.models.embedded import embedded_model_dir
+
+    algo, draft = spec["speculative_algorithm"], spec["draft_model"]
+    if algo in ("DSPARK", "DFLASH"):
+        if draft is None and model.resolve() != embedded_model_dir().resolve():
+            raise ValueError(f"--speculative-algorithm {algo} on {model} needs --speculative-draft-model-path "
+                             "(the shipped drafter is for the embedded SmolLM2 target)")
+        if draft is not None and not (Path(draft).expanduser() / "config.json").is_file():
+            raise FileNotFoundError(f"--speculative-draft-model-path {draft!r} is not a drafter directory "
+                                    "(no config.json)")
+    for flag, value in (("--speculative-dspark-sps-table-path", spec["sps_table"]),
+                        ("--speculative-dspark-confidence-sts-path", spec["sts_path"])):
+        if value is not None and not Path(value).expanduser().is_file():
+            raise FileNotFoundError(f"{flag} {value!r} is not a file")
+
+
+def load_llm(kwargs: dict):
+    """Load the target (and drafter, planner, SPS profile) with one log line per stage."""
+    from dspark import LLM
+
+    algo = kwargs["speculative_algorithm"]
+    log.info("loading model %s (%s on %s)%s", kwargs["model"], kwargs["dtype"], kwargs["device"],
+             "" if algo == "NONE" else f" with {algo} drafting; the SPS table is profiled once when none is given")
+    t = time.perf_counter()
+    llm = LLM(**kwargs, profile_progress=False)
+    eng = llm.engine
+    log.info("model loaded in %.1f s: context %d tokens, KV cache %d tokens, %s proposer (%d drafts), planner %s",
+             time.perf_counter() - t, eng.max_model_len, eng.cache.num_blocks * eng.cache.block_size,
+             type(eng.proposer).__name__, eng.proposer.max_drafts,
+             type(eng.planner).__name__ if eng.planner is not None else "none")
+    return llm
+
+
+def warm_up(llm) -> None:
+    """One short request through prefill and a verify round, so the first client is not the one who waits."""
+    from dspark import SamplingParams
+
+    t = time.perf_counter()
+    llm.generate([list(range(1, 9))], SamplingParams(max_tokens=4, ignore_eos=True))
+    log.info("warm-up done in %.2f s", time.perf_counter() - t)

@@ -1,0 +1,87 @@
+"""Run the server: bind the address first (a taken port fails before the model loads), then serve
+with uvicorn in the foreground (`dspark serve`) or in a background thread (tests, benchmarks)."""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+
+from dspark.llm import LLM
+from dspark.server.app import create_app
+from dspark.server.config import ServerConfig
+
+log = logging.getLogger("dspark.server")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) TCP socket; ValueError when the address cannot be used."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve: {e}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that says "ready" once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, url: str):
+        super().__init__(config)
+        self.url = url
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            log.info("ready: accepting requests on %s", self.url)
+
+
+def _uvicorn_server(llm: LLM, config: ServerConfig, sock: socket.socket, log_level: str) -> _Server:
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    app = create_app(llm, config)
+    uv = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug", lifespan="on",
+                        timeout_graceful_shutdown=5, log_config=None)
+    return _Server(uv, f"http://{host}:{port}")
+
+
+def run_server(llm: LLM, config: ServerConfig, sock: socket.socket, *, log_level: str = "info") -> None:
+    """Serve until interrupted (Ctrl-C / SIGTERM)."""
+    _uvicorn_server(llm, config, sock, log_level).run(sockets=[sock])
+
+
+class ServerThread:
+    """Serve an LLM from a background thread on a free port (port 0): `with ServerThread(llm) as s: s.url`."""
+
+    def __init__(self, llm: LLM, config: ServerConfig | None = None, *, log_level: str = "warning"):
+        config = config or ServerConfig(port=0)
+        self._sock = bind_socket(config.host, config.port)
+        self.server = _uvicorn_server(llm, config, self._sock, log_level)
+        self.url = self.server.url
+        self.app = self.server.config.app  # app.state.server is the OpenAIServer
+        self.port = self._sock.getsockname()[1]
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        name="dspark-server", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server thread did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
