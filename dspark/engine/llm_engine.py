@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.cache import KVCache
+from dspark.engine.detokenizer import final_text
 from dspark.engine.model_runner import ModelRunner, Window
 from dspark.engine.scheduler import Scheduler, SchedulerConfig
 from dspark.engine.sequence import Sequence, Status
@@ -221,8 +222,7 @@ class LLMEngine:
             self.planner.release(seq.request_id)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = seq.text if seq.stopped_by_string else self.tokenizer.decode(
-            seq.output_token_ids, skip_special_tokens=True)
+        text = final_text(seq, self.tokenizer) if seq.finished else seq.text
         if seq.finished:
             self._seqs.pop(seq.request_id, None)
         return RequestOutput(

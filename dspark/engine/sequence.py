@@ -40,8 +40,11 @@ class Sequence:
     status: Status = Status.WAITING
     num_cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
-    text: str = ""  # kept current only while stop strings are checked
+    text: str = ""  # detokenized output so far (engine/detokenizer.py)
+    prefix_offset: int = 0
+    read_offset: int = 0
     stopped_by_string: bool = False
+    checked_len: int = 0  # text length already searched for stop strings
     generator: torch.Generator | None = None
     stats: SeqStats = field(default_factory=SeqStats)
     first_token_time: float | None = None

@@ -2,6 +2,7 @@
 exactly where plain decoding would."""
 from __future__ import annotations
 
+from dspark.engine.detokenizer import append_text
 from dspark.engine.sequence import Sequence
 
 
@@ -11,6 +12,7 @@ def commit_tokens(seq: Sequence, tokens: list[int], *, eos_ids: frozenset[int], 
     p = seq.params
     for n, tok in enumerate(tokens, start=1):
         seq.output_token_ids.append(tok)
+        append_text(seq, tokenizer)
         reason = None
         if (tok in eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = "stop"
@@ -25,11 +27,12 @@ def commit_tokens(seq: Sequence, tokens: list[int], *, eos_ids: frozenset[int], 
 
 
 def _hits_stop_string(seq: Sequence, tokenizer) -> bool:
-    """Decode the output; on a stop string, cut the text before it (as OpenAI / vLLM do)."""
-    text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+    """On a stop string in the newest text, cut the text before it (as OpenAI / vLLM do)."""
     longest = max(len(s) for s in seq.params.stop)
-    tail_from = max(0, len(seq.text) - longest)  # a stop string can end only in the new text
-    hits = [i for i in (text.find(s, tail_from) for s in seq.params.stop) if i >= 0]
-    seq.text = text[: min(hits)] if hits else text
-    seq.stopped_by_string = bool(hits)
+    tail_from = max(0, seq.checked_len - longest + 1)  # a stop string can end only in the new text
+    seq.checked_len = len(seq.text)
+    hits = [i for i in (seq.text.find(s, tail_from) for s in seq.params.stop) if i >= 0]
+    if hits:
+        seq.text = seq.text[: min(hits)]
+        seq.stopped_by_string = True
     return seq.stopped_by_string

@@ -30,8 +30,8 @@ def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -
         from dspark.spec.ngram import NgramProposer
 
         return NgramProposer(cfg.block_size or 7, max_n=cfg.ngram_max_n)
-    from dspark.drafters import DSparkDrafter
     from dspark.drafters.io import read_sts
+    from dspark.interop import load_any_drafter
     from dspark.spec.block_drafter import BlockDrafterProposer
 
     if cfg.draft_model is None:
@@ -43,7 +43,7 @@ def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -
         path = Path(cfg.draft_model).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"draft model {str(path)!r} is not a drafter directory (no config.json)")
-    drafter = DSparkDrafter.from_pretrained(path, decoder.embed_tokens.weight, decoder.lm_head.weight)
+    drafter = load_any_drafter(path, decoder.embed_tokens.weight, decoder.lm_head.weight)  # dspark / speculators / DeepSpec
     _check_compatible(drafter, decoder, path)
     if cfg.algorithm == "DFLASH":
         if drafter.markov_head is not None or drafter.confidence_head is not None:

@@ -1,0 +1,60 @@
+"""DrafterParts: a drafter checkpoint in memory (config, dspark-named tensors, metadata, STS) and its dspark I/O."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from dspark.drafters.config import DrafterConfig
+from dspark.drafters.io import CONFIG, FORMAT, STS, WEIGHTS, read_sts
+from dspark.drafters.model import DSparkDrafter
+from dspark.interop.layout import Tensors, check_tensors, read_json, write_checkpoint, write_json
+
+
+@dataclass
+class DrafterParts:
+    """Everything a converter moves between layouts; tensors use dspark's parameter names."""
+
+    config: DrafterConfig
+    tensors: Tensors  # dspark state_dict names (d2t holds absolute target ids [Vd])
+    metadata: dict[str, Any] = field(default_factory=dict)
+    sts: list[float] | None = None  # per-position STS temperatures
+
+    def validate(self, source: str) -> DrafterParts:
+        """Raise ValueError unless the tensors are exactly those of DSparkDrafter(config)."""
+        check_tensors(self.config, self.tensors, source)
+        return self
+
+    def build(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> DSparkDrafter:
+        """A DSparkDrafter around the target's embedding and LM head, holding these weights."""
+        model = DSparkDrafter(self.config, embed_weight, lm_head_weight, d2t=self.tensors.get("d2t"))
+        model.load_state_dict(self.tensors, strict=True)
+        model.metadata = copy.deepcopy(self.metadata)
+        model.sts_temperatures = list(self.sts) if self.sts else None
+        return model
+
+
+def read_dspark(src: Path) -> DrafterParts:
+    """A dspark-format drafter dir (drafters/io.py layout) without building the model."""
+    raw = read_json(src / CONFIG)
+    if raw.pop("format", FORMAT) != FORMAT:  # as drafters/io.py: an absent "format" means dspark's own
+        raise ValueError(f"{src / CONFIG} is not a {FORMAT} checkpoint")
+    metadata = raw.pop("dspark", {}) or {}
+    config = DrafterConfig.from_dict(raw)
+    return DrafterParts(config, load_file(str(src / WEIGHTS)), metadata, read_sts(src / STS))
+
+
+def write_dspark(dst: Path, parts: DrafterParts) -> None:
+    """Write parts in the layout DSparkDrafter.from_pretrained reads."""
+    write_checkpoint(dst, {"format": FORMAT, **parts.config.to_dict(), "dspark": parts.metadata}, parts.tensors)
+    write_sts(dst, parts.sts)
+
+
+def write_sts(dst: Path, sts: list[float] | None) -> None:
+    """sts.json beside the weights (every layout here keeps it as a side file)."""
+    if sts:
+        write_json(dst / STS, {"temperatures": list(sts)})
