@@ -13,19 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark import LLM, SamplingParams
+from dspark.bench.roofline import ceiling_tokens_per_s, read_bandwidth_gbs, weight_bytes
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def read_bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
-    """Memory read bandwidth: best of `repeats` sums over a buffer far larger than the caches."""
-    x = torch.ones(mb * 2**20 // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
 
 
 def time_dspark(llm: LLM, prompt_ids: list[int], n: int) -> float:
@@ -61,15 +51,15 @@ def main() -> None:
         ours.append(time_dspark(llm, prompt_ids, args.tokens))
         theirs.append(time_transformers(hf, prompt_ids, args.tokens))
     bw = read_bandwidth_gbs()
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.decoder.parameters())
-    roofline = bw * 1e9 / weight_bytes
+    nbytes = weight_bytes(llm.decoder)
+    roofline = ceiling_tokens_per_s(bw, nbytes)
     best_ours, best_theirs = max(ours), max(theirs)
     result = {
         "threads": torch.get_num_threads(), "tokens": args.tokens, "prompt_tokens": len(prompt_ids),
         "dspark_tokens_per_s": [round(x, 2) for x in ours],
         "transformers_tokens_per_s": [round(x, 2) for x in theirs],
         "speedup_best": round(best_ours / best_theirs, 2),
-        "read_bandwidth_gb_s": round(bw, 2), "weight_bytes": weight_bytes,
+        "read_bandwidth_gb_s": round(bw, 2), "weight_bytes": nbytes,
         "roofline_tokens_per_s": round(roofline, 2),
         "dspark_fraction_of_roofline": round(best_ours / roofline, 3),
     }

@@ -16,6 +16,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per round
+    verify_lengths: list[int] = field(default_factory=list)  # drafts verified per round
     metrics: dict = field(default_factory=dict)
 
     @property

@@ -187,6 +187,7 @@ class LLMEngine:
         st.accepted += acc.num_accepted
         ss.accepted += acc.num_accepted
         ss.accept_lengths.append(committed)
+        ss.verify_lengths.append(l)
         return [seq]
 
     def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor) -> Acceptance:
@@ -228,7 +229,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids, text=text,
             token_ids=list(seq.output_token_ids), finished=seq.finished, finish_reason=seq.finish_reason,
-            accept_lengths=list(seq.stats.accept_lengths),
+            accept_lengths=list(seq.stats.accept_lengths), verify_lengths=list(seq.stats.verify_lengths),
             metrics={"rounds": seq.stats.rounds, "drafted": seq.stats.drafted, "verified": seq.stats.verified,
                      "accepted": seq.stats.accepted, "arrival": seq.arrival,
                      "first_token_time": seq.first_token_time, "finish_time": seq.finish_time},

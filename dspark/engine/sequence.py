@@ -25,6 +25,7 @@ class SeqStats:
     verified: int = 0
     accepted: int = 0
     accept_lengths: list[int] = field(default_factory=list)
+    verify_lengths: list[int] = field(default_factory=list)  # drafts verified per round
 
 
 @dataclass(eq=False)

@@ -44,6 +44,7 @@ def profile_sps(decoder: Decoder, sizes: list[int], *, context: int = 128, repea
         rows = torch.arange(b, device=dev)
         times = []
         for _ in range(repeats + 1):  # the first run warms up
+            cache.reserve("p", context + b)  # truncate() below hands the tail blocks back
             meta = cache.prepare(["p"], [b])
             t = time.perf_counter()
             decoder(ids, pos, cache, meta, logits_rows=rows)

@@ -1,0 +1,73 @@
+"""The memory roofline of plain decoding and the SPS curve.
+
+Batch-1 decoding reads every weight once per token, so weight bytes / read bandwidth bounds plain
+decoding from above; speculative methods can pass that ceiling (several tokens per weight read), and
+where each method sits against it says how much of the machine it uses.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dspark.spec.cost_table import SPSTable
+
+
+def read_bandwidth_gbs(mb: int = 256, repeats: int = 5, device: str = "cpu") -> float:
+    """Memory read bandwidth: best of `repeats` sums over a buffer far larger than the caches."""
+    x = torch.ones(mb * 2**20 // 4, device=device)
+    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+    x.sum()  # first touch
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct parameters (tied embeddings counted once): what one decode step reads."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def ceiling_tokens_per_s(bandwidth_gbs: float, nbytes: int) -> float:
+    """Plain-decode roofline: one full weight read per token."""
+    return bandwidth_gbs * 1e9 / nbytes
+
+
+def run_roofline(model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
+                 sps_table: str | None = None, max_tokens: int = 64, repeats: int = 5,
+                 bandwidth_mb: int = 256, context: int = 128, save_sps: str | None = None,
+                 progress: bool = True) -> dict:
+    """Measure bandwidth, weight bytes and the SPS curve (or read it from `sps_table`): the 'roofline' section.
+    save_sps: also write the table where the throughput planner (--sps-table) can read it."""
+    from dspark.llm import _DTYPES, resolve_model_path
+    from dspark.models.loader import load_decoder
+    from dspark.spec.profile import default_sizes, profile_sps
+
+    path = resolve_model_path(model)
+    decoder = load_decoder(path, dtype=_DTYPES[dtype], device=device)
+    nbytes = weight_bytes(decoder)
+    bw = read_bandwidth_gbs(bandwidth_mb, device=device)
+    if sps_table:
+        table, source = SPSTable.load(sps_table), str(sps_table)
+    else:
+        table = profile_sps(decoder, default_sizes(max_tokens), context=context, repeats=repeats, progress=progress,
+                            name=path.name)
+        source = "measured"
+    if save_sps:
+        table.save(save_sps)
+    return {"model": path.name, "dtype": dtype, "device": device, "threads": torch.get_num_threads(),
+            "bandwidth_gb_s": bw, "weight_bytes": nbytes, "ceiling_tokens_per_s": ceiling_tokens_per_s(bw, nbytes),
+            "sps": {str(k): v for k, v in table.points.items()}, "sps_source": source}
+
+
+def method_fractions(roofline: dict, cells: list[dict]) -> list[dict]:
+    """Each batch-1 offline cell's tokens/s as a fraction of the plain-decode ceiling."""
+    ceiling = roofline["ceiling_tokens_per_s"]
+    return [{"label": c["label"], "dataset": c["dataset"], "temperature": c["temperature"],
+             "tokens_per_s": c["tokens_per_s"]["median"], "fraction": c["tokens_per_s"]["median"] / ceiling}
+            for c in cells if c["concurrency"] == 1 and c["tokens_per_s"]["median"]]
