@@ -6,7 +6,7 @@ import importlib
 import sys
 
 # modules with a register(subparsers) function, added when present
-_PLUGINS = ("dspark.commands", "dspark.server.cli", "dspark.bench.cli", "dspark.interop.cli")
+_PLUGINS = ("dspark.commands", "dspark.train.cli", "dspark.server.cli", "dspark.bench.cli", "dspark.interop.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

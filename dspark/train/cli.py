@@ -27,16 +27,27 @@ def register(sub: Any) -> None:
     d.set_defaults(func=_train_data)
 
     t = sub.add_parser("train", help="train a DSpark / DFlash drafter on train-data shards")
-    from dspark.train.trainer import add_train_args
+    from dspark.train.config import add_train_args
 
     add_train_args(t)
     t.set_defaults(func=_train)
 
     c = sub.add_parser("calibrate", help="fit STS temperatures on held-out sequences, write sts.json")
-    from dspark.train.sts import add_calibrate_args
-
     add_calibrate_args(c)
     c.set_defaults(func=_calibrate)
+
+
+def add_calibrate_args(p: argparse.ArgumentParser) -> None:
+    """argparse options for `dspark calibrate`."""
+    p.add_argument("--drafter", required=True, help="drafter checkpoint directory (gets sts.json)")
+    p.add_argument("--data", required=True, help="train-data directory; its held-out split is used")
+    p.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
+    p.add_argument("--cache-dir", default=None, help="cached target features of --data (else computed)")
+    p.add_argument("--val-every-nth", type=int, default=20, help="the trainer's held-out split")
+    p.add_argument("--max-anchors", type=int, default=256, help="anchors per held-out sequence")
+    p.add_argument("--bins", type=int, default=15)
+    p.add_argument("--out", default=None, help="sts.json path (default: DRAFTER/sts.json)")
+    p.add_argument("--png", default=None, help="reliability diagram (default: next to --out)")
 
 
 def _train_data(args: argparse.Namespace) -> int:

@@ -120,7 +120,7 @@ def mix_prompts(groups: dict[str, list[Prompt]], limits: dict[str, int | None], 
 def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | None = None,
                     shard_size: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
                     max_tokens: int = 256, seed: int = 0, time_limit: float | None = None,
-                    max_num_seqs: int = 64, log=print) -> dict[str, Any]:
+                    max_num_seqs: int = 64, kv_cache_mb: int = 1024, log=print) -> dict[str, Any]:
     """Generate responses shard by shard into out_dir, skipping finished shards; returns the manifest."""
     from dspark import LLM, SamplingParams
 
@@ -129,7 +129,8 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
     recipe = Recipe(sources=_count(prompts), total_prompts=len(prompts), shard_size=shard_size, seed=seed,
                     temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
     manifest = _load_manifest(out, recipe)
-    llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, max_num_seqs * 8))
+    llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, max_num_seqs * 8),
+              kv_cache_mb=kv_cache_mb)
     recipe.model_path = str(llm.model_path)
     manifest["recipe"]["model_path"] = recipe.model_path
     start = time.perf_counter()

@@ -1,0 +1,219 @@
+"""Sequential Temperature Scaling: verification logs, per-position temperature fit, sts.json, diagram."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GRID = np.exp(np.linspace(np.log(0.05), np.log(20.0), 241))  # candidate temperatures (includes 1.0)
+
+
+def ece(pred: np.ndarray, label: np.ndarray, bins: int = 15) -> float:
+    """Expected calibration error with equal-width bins over [0, 1]."""
+    if len(pred) == 0:
+        return 0.0
+    idx = np.minimum((pred * bins).astype(np.int64), bins - 1)
+    n = np.bincount(idx, minlength=bins)
+    sp = np.bincount(idx, weights=pred, minlength=bins)
+    sl = np.bincount(idx, weights=label, minlength=bins)
+    return float(np.abs(sp - sl).sum() / len(pred))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(x, -60, 60)))
+
+
+def prefix_probs(logits: np.ndarray, temps: np.ndarray) -> np.ndarray:
+    """a_k = prod_{i<=k} sigmoid(z_i / T_i): logits [N, gamma] -> [N, gamma]."""
+    return np.cumprod(_sigmoid(logits / temps[None, :]), axis=1)
+
+
+def fit_sts(logits: np.ndarray, survived: np.ndarray, valid: np.ndarray, bins: int = 15,
+            grid: np.ndarray = GRID, tie: float = 5e-4) -> dict[str, Any]:
+    """Left-to-right 1-D grid search of T_k minimising the ECE of a_{k-1}^cal * sigmoid(z_k / T_k).
+
+    logits [N, gamma] confidence logits; survived [N, gamma] 1 if drafts 1..k were all accepted;
+    valid [N, gamma] whether position k of that block was verifiable (inside the sequence).
+    """
+    n, gamma = logits.shape
+    temps = np.ones(gamma)
+    before, after = [], []
+    prev_cal = np.ones(n)
+    prev_raw = np.ones(n)
+    for k in range(gamma):
+        m = valid[:, k].astype(bool)
+        z, y = logits[m, k], survived[m, k].astype(np.float64)
+        raw = prev_raw[m] * _sigmoid(z)
+        before.append(ece(raw, y, bins))
+        errs = np.array([ece(prev_cal[m] * _sigmoid(z / t), y, bins) for t in grid])
+        near = np.flatnonzero(errs <= errs.min() + tie)  # near-ties (flat ECE): stay closest to T = 1
+        best = int(near[np.argmin(np.abs(np.log(grid[near])))])
+        temps[k] = float(grid[best])
+        after.append(float(errs[best]))
+        prev_cal = prev_cal * _sigmoid(logits[:, k] / temps[k])
+        prev_raw = prev_raw * _sigmoid(logits[:, k])
+    return {"temperatures": [round(float(t), 5) for t in temps], "ece_before": [round(e, 5) for e in before],
+            "ece_after": [round(e, 5) for e in after], "bins": bins,
+            "samples": [int(valid[:, k].sum()) for k in range(gamma)],
+            "survival_rate": [round(float(survived[valid[:, k].astype(bool), k].mean()), 4) if valid[:, k].any()
+                              else None for k in range(gamma)]}
+
+
+@torch.no_grad()
+def greedy_logs(drafter, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Offline greedy verification: draft every anchored block left to right (the drafter's own picks feed
+    the sequential heads), compare to the target's greedy continuation (the data) -> logits, survived, valid.
+
+    batches yields (ctx_features [B,S,m*d], ids [B,S], anchor_pos [B,A], anchor_valid [B,A], loss_mask [B,S]).
+    """
+    from dspark.drafters.blocks import block_labels, block_positions, train_mask
+
+    if drafter.confidence_head is None:
+        raise ValueError("this drafter has no confidence head: nothing to calibrate")
+    g = drafter.config.block_size
+    out_z, out_s, out_v = [], [], []
+    for ctx_f, ids, anchor_pos, anchor_valid, loss_mask in batches:
+        b, s = ids.shape
+        pos = torch.where(anchor_valid, anchor_pos, 0)
+        ctx = drafter.context_kv(ctx_f, torch.arange(s).expand(b, s))
+        positions = block_positions(pos, g)
+        block_ids = drafter._block_ids(ids.gather(1, pos))
+        h, base = drafter._block_hidden(block_ids.flatten(1), positions.flatten(1), ctx, train_mask(pos, s, g))
+        h, base = h.view(*block_ids.shape, -1).flatten(0, 1), base.view(*block_ids.shape, -1).flatten(0, 1)
+        labels, valid = block_labels(ids, pos, anchor_valid, g, loss_mask)
+        labels, valid = labels.flatten(0, 1), valid.flatten(0, 1)
+        prev = block_ids[..., 0].flatten()
+        mh = drafter.markov_head
+        state = mh.init_state((len(prev),), h) if mh is not None else None
+        zs, hits = [], []
+        for k in range(g):
+            z, conf, state = drafter._step(prev, h[:, k], base[:, k], state)
+            tok = z.argmax(-1)
+            prev = drafter.d2t[tok] if drafter.d2t is not None else tok
+            zs.append(conf)
+            hits.append(prev == labels[:, k])
+        hit = torch.stack(hits, 1) & valid
+        keep = valid[:, 0]
+        out_z.append(torch.stack(zs, 1)[keep].float().numpy())
+        out_s.append(hit.long().cumprod(1)[keep].numpy())
+        out_v.append(valid[keep].numpy())
+    return np.concatenate(out_z), np.concatenate(out_s), np.concatenate(out_v)
+
+
+def reliability_png(logits: np.ndarray, survived: np.ndarray, valid: np.ndarray, temps: list[float],
+                    path: str | Path, bins: int = 15) -> None:
+    """Reliability diagram of the prefix-survival probability per position, before and after STS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gamma = logits.shape[1]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharey=True)
+    for ax, t, title in ((axes[0], np.ones(gamma), "before STS"), (axes[1], np.asarray(temps), "after STS")):
+        a = prefix_probs(logits, t)
+        for k in range(gamma):
+            m = valid[:, k].astype(bool)
+            p, y = a[m, k], survived[m, k]
+            idx = np.minimum((p * bins).astype(int), bins - 1)
+            xs, ys = [], []
+            for bi in range(bins):
+                sel = idx == bi
+                if sel.sum() >= 5:
+                    xs.append(p[sel].mean())
+                    ys.append(y[sel].mean())
+            ax.plot(xs, ys, marker="o", ms=3, label=f"k={k + 1} (ECE {100 * ece(p, y, bins):.1f}%)")
+        ax.plot([0, 1], [0, 1], "k--", lw=1)
+        ax.set_title(title)
+        ax.set_xlabel("predicted prefix survival a_k")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("observed survival (drafts 1..k accepted)")
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=110)
+    plt.close(fig)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Collect greedy verification logs on held-out sequences, fit, write sts.json + PNG, print the table."""
+    from dspark.drafters import DSparkDrafter
+    from dspark.llm import resolve_model_path
+    from dspark.models.loader import load_decoder
+    from dspark.train.datagen import load_sequences
+    from dspark.train.features import FEAT, target_features
+    from dspark.train.trainer import sample_anchors
+
+    target = load_decoder(resolve_model_path(args.model))
+    drafter = DSparkDrafter.from_pretrained(args.drafter, target.embed_tokens.weight, target.lm_head.weight).eval()
+    layers = list(drafter.config.target_layer_ids)
+    seqs = load_sequences(args.data)
+    held = [i for i in range(len(seqs)) if args.val_every_nth and i % args.val_every_nth == 0]
+    if not held:
+        raise ValueError("no held-out sequences (check --val-every-nth)")
+    cached = _cached_hidden(args, held, FEAT) if args.cache_dir else None
+
+    def batches():
+        for j in range(0, len(held), 4):
+            idx = held[j:j + 4]
+            ids = [seqs[i][0] for i in idx]
+            hid = [cached[i] for i in idx] if cached else [f[0] for f in target_features(target, ids, layers, 1)]
+            s = max(len(x) for x in ids)
+            masks = [torch.arange(len(x)) >= seqs[i][1] for i, x in zip(idx, ids)]
+            gen = torch.Generator().manual_seed(1234)
+            anchors = [sample_anchors(m, args.max_anchors, gen) for m in masks]
+            a = max(1, max(len(x) for x in anchors))
+            t_ids = torch.zeros(len(idx), s, dtype=torch.long)
+            t_mask = torch.zeros(len(idx), s, dtype=torch.bool)
+            t_hid = torch.zeros(len(idx), s, hid[0].shape[1])
+            t_ap = torch.zeros(len(idx), a, dtype=torch.long)
+            t_av = torch.zeros(len(idx), a, dtype=torch.bool)
+            for r, (x, m, h, an) in enumerate(zip(ids, masks, hid, anchors)):
+                t_ids[r, :len(x)], t_mask[r, :len(x)], t_hid[r, :len(x)] = x, m, h.float()
+                t_ap[r, :len(an)], t_av[r, :len(an)] = an, True
+            yield t_hid, t_ids, t_ap, t_av, t_mask
+
+    z, surv, valid = greedy_logs(drafter, batches())
+    res = fit_sts(z, surv, valid, bins=args.bins)
+    res["sampling"] = "greedy"
+    res["source"] = f"held-out split (every {args.val_every_nth}th sequence) of {Path(args.data).name}"
+    out = Path(args.out) if args.out else Path(args.drafter) / "sts.json"
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(format_table(res))
+    png = Path(args.png) if args.png else out.with_name("reliability.png")
+    try:
+        reliability_png(z, surv, valid, res["temperatures"], png, args.bins)
+        print(f"wrote {out} and {png}")
+    except ImportError:
+        print(f"wrote {out} (matplotlib not installed: no reliability diagram)")
+    return 0
+
+
+def _cached_hidden(args: argparse.Namespace, held: list[int], feat_name: str) -> dict[int, torch.Tensor]:
+    """Hidden features of the held-out sequences from the feature cache (indices in shard order)."""
+    out: dict[int, torch.Tensor] = {}
+    base = 0
+    wanted = set(held)
+    for shard in sorted(Path(args.data).glob("shard_*.pt")):
+        n = len(torch.load(shard)["prompt_lens"])
+        f = Path(args.cache_dir) / feat_name.format(shard.stem)
+        if any(base + j in wanted for j in range(n)):
+            if not f.exists():
+                raise FileNotFoundError(f"{f} missing: run `dspark train --features-only` or drop --cache-dir")
+            hid = torch.load(f)["hidden"]
+            for j in range(n):
+                if base + j in wanted:
+                    out[base + j] = hid[j]
+        base += n
+    return out
+
+
+def format_table(res: dict[str, Any]) -> str:
+    """Per-position ECE before/after, temperature and survival rate as a text table."""
+    lines = [f"{'k':>2} {'T_k':>8} {'ECE before':>11} {'ECE after':>10} {'survival':>9} {'n':>7}"]
+    for k, t in enumerate(res["temperatures"]):
+        lines.append(f"{k + 1:>2} {t:>8.3f} {100 * res['ece_before'][k]:>10.2f}% {100 * res['ece_after'][k]:>9.2f}% "
+                     f"{res['survival_rate'][k] or 0:>9.3f} {res['samples'][k]:>7}")
+    return "\n".join(lines)
