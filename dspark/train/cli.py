@@ -24,6 +24,11 @@ def register(sub: Any) -> None:
     d.add_argument("--max-num-seqs", type=int, default=64)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--time-limit", type=float, default=None, help="stop cleanly after this many seconds")
+    d.add_argument("--rank", type=int, default=None,
+                   help="answer only shards i with i %% WORLD_SIZE == RANK (default: $RANK from torchrun, else 0)")
+    d.add_argument("--world-size", type=int, default=None,
+                   help="number of datagen processes sharing --out (default: $WORLD_SIZE, else 1)")
+    d.add_argument("--device", default="cpu", help="target device: cpu, cuda, cuda:N, or auto (cuda:$LOCAL_RANK)")
     d.set_defaults(func=_train_data)
 
     t = sub.add_parser("train", help="train a DSpark / DFlash drafter on train-data shards")
@@ -51,7 +56,8 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_data(args: argparse.Namespace) -> int:
-    from dspark.train.datagen import generate_shards, mix_prompts, read_prompt_file, stdlib_code_prompts
+    from dspark.train.datagen import (generate_shards, mix_prompts, rank_shards, read_prompt_file, shard_rank,
+                                      stdlib_code_prompts)
 
     groups, limits = {}, {}
     for spec in args.prompts:
@@ -64,13 +70,19 @@ def _train_data(args: argparse.Namespace) -> int:
         limits["stdlib_code"] = args.code_prompts
     if not groups:
         raise ValueError("give at least one --prompts PATH or --code-prompts N")
-    prompts = mix_prompts(groups, limits, args.seed)
+    prompts = mix_prompts(groups, limits, args.seed)  # same seeded list on every rank
+    rank, world = shard_rank(args.rank, args.world_size)
     man = generate_shards(prompts, args.out, model=args.model, shard_size=args.shard_size,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_tokens=args.max_tokens, seed=args.seed, time_limit=args.time_limit,
-                          max_num_seqs=args.max_num_seqs)
+                          max_num_seqs=args.max_num_seqs, rank=rank, world_size=world, device=args.device)
     done = sum(s["sequences"] for s in man["shards"].values())
-    print(json.dumps({"shards": len(man["shards"]), "sequences": done, "of": len(prompts)}))
+    n_shards = (len(prompts) + args.shard_size - 1) // args.shard_size
+    report = {"shards": len(man["shards"]), "of_shards": n_shards, "sequences": done, "of": len(prompts)}
+    if world > 1:
+        own = {f"shard_{i:05d}.pt" for i in rank_shards(n_shards, rank, world)}
+        report.update(rank=rank, world_size=world, rank_shards=len(own & set(man["shards"])), rank_of=len(own))
+    print(json.dumps(report))
     return 0
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import random
 import re
 import time
@@ -14,6 +15,7 @@ import torch
 
 MANIFEST = "manifest.json"
 SHARD = "shard_{:05d}.pt"
+PART = "manifest.rank-{}.json"  # per-rank manifest of a sharded (world_size > 1) run
 # Pure-Python stdlib modules whose public functions make reasonable "write this function" prompts.
 CODE_MODULES = ("string", "textwrap", "statistics", "heapq", "bisect", "fnmatch", "posixpath", "shlex",
                 "base64", "html", "difflib", "calendar", "colorsys", "fractions", "random", "glob", "json",
@@ -117,30 +119,62 @@ def mix_prompts(groups: dict[str, list[Prompt]], limits: dict[str, int | None], 
     return mixed
 
 
+def shard_rank(rank: int | None = None, world_size: int | None = None,
+               env: dict[str, str] | None = None) -> tuple[int, int]:
+    """(rank, world_size) for sharded generation: explicit values, else torchrun's RANK / WORLD_SIZE, else (0, 1)."""
+    env = os.environ if env is None else env
+    world = int(world_size if world_size is not None else env.get("WORLD_SIZE", 1))
+    rank = int(rank if rank is not None else env.get("RANK", 0))
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world}")
+    return rank, world
+
+
+def rank_shards(n_shards: int, rank: int, world_size: int) -> list[int]:
+    """The shard indices a rank answers: i with i % world_size == rank (disjoint, together all of them)."""
+    return list(range(rank, n_shards, world_size))
+
+
 def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | None = None,
                     shard_size: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
                     max_tokens: int = 256, seed: int = 0, time_limit: float | None = None,
-                    max_num_seqs: int = 64, kv_cache_mb: int = 1024, log=print) -> dict[str, Any]:
-    """Generate responses shard by shard into out_dir, skipping finished shards; returns the manifest."""
-    from dspark import LLM, SamplingParams
+                    max_num_seqs: int = 64, kv_cache_mb: int = 1024, rank: int = 0, world_size: int = 1,
+                    device: str = "cpu", log=print) -> dict[str, Any]:
+    """Generate responses shard by shard into out_dir, skipping finished shards; returns the merged manifest.
 
+    `prompts` is the full, identically ordered list on every rank; this call answers only the shards with
+    index % world_size == rank, so independent processes (torchrun ranks, separate jobs, separate nodes
+    on a shared filesystem) fill one directory without talking to each other. Shard i's content depends on
+    i alone, never on the world size, so any mix of world sizes and reruns yields the same data.
+    Shard files are written atomically and are the source of truth; with world_size > 1 each rank keeps
+    its own manifest.rank-R.json, merged by read_manifest (manifest.json is refreshed as a merged snapshot).
+    """
+    rank, world_size = shard_rank(rank, world_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     recipe = Recipe(sources=_count(prompts), total_prompts=len(prompts), shard_size=shard_size, seed=seed,
                     temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
     manifest = _load_manifest(out, recipe)
-    llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, max_num_seqs * 8),
-              kv_cache_mb=kv_cache_mb)
-    recipe.model_path = str(llm.model_path)
-    manifest["recipe"]["model_path"] = recipe.model_path
-    start = time.perf_counter()
     n_shards = (len(prompts) + shard_size - 1) // shard_size
-    for i in range(n_shards):
+    todo = [i for i in rank_shards(n_shards, rank, world_size) if not (out / SHARD.format(i)).exists()]
+    part = out / (MANIFEST if world_size == 1 else PART.format(rank))
+    mine = json.loads(part.read_text()) if part.exists() else {**manifest, "shards": {}}
+    if not part.exists():
+        _write_json(part, mine)
+    if not todo:  # nothing to do: do not even load the target
+        return _refresh(out)
+    from dspark import LLM, SamplingParams
+
+    if device == "auto":
+        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, max_num_seqs * 8),
+              kv_cache_mb=kv_cache_mb, device=device)
+    mine["recipe"]["model_path"] = str(llm.model_path)
+    start, done = time.perf_counter(), 0
+    for i in todo:
         path = out / SHARD.format(i)
-        if path.exists():
-            continue
         if time_limit is not None and time.perf_counter() - start > time_limit:
-            log(f"time limit reached after {len(manifest['shards'])} shards; rerun to continue")
+            log(f"time limit reached after {done} new shards (rank {rank}/{world_size}); rerun to continue")
             break
         chunk = prompts[i * shard_size:(i + 1) * shard_size]
         t0 = time.perf_counter()
@@ -154,20 +188,24 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
             prompt_ids = llm.tokenizer.encode(text, add_special_tokens=False)
             seqs.append(prompt_ids + list(res.token_ids))
             plens.append(len(prompt_ids))
+        resp = sum(len(s) - p for s, p in zip(seqs, plens))
+        dt = time.perf_counter() - t0
+        stats = {"sequences": len(seqs), "response_tokens": resp, "seconds": round(dt, 1)}
         shard = {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
                  "offsets": torch.tensor([0] + list(_cumsum(len(s) for s in seqs)), dtype=torch.int64),
                  "prompt_lens": torch.tensor(plens, dtype=torch.int64),
                  "sources": [p.source for p in chunk],
-                 "finish": [r.finish_reason for r in results]}
-        tmp = path.with_suffix(".tmp")
+                 "finish": [r.finish_reason for r in results],
+                 "prompt_index": list(range(i * shard_size, i * shard_size + len(chunk))),
+                 "stats": stats}
+        tmp = path.with_name(f".{path.name}.{_host_pid()}.tmp")
         torch.save(shard, tmp)
         tmp.replace(path)  # atomic: a killed run never leaves a half shard
-        resp = sum(len(s) - p for s, p in zip(seqs, plens))
-        dt = time.perf_counter() - t0
-        manifest["shards"][path.name] = {"sequences": len(seqs), "response_tokens": resp, "seconds": round(dt, 1)}
-        _write_manifest(out, manifest)
+        mine["shards"][path.name] = stats
+        _write_json(part, mine)
+        done += 1
         log(f"{path.name}: {len(seqs)} seqs, {resp} response tokens, {dt:.0f} s ({resp / dt:.1f} tok/s)")
-    return manifest
+    return _refresh(out)
 
 
 def _count(prompts: list[Prompt]) -> dict[str, int]:
@@ -185,26 +223,76 @@ def _cumsum(values) -> list[int]:
     return out
 
 
+def _fresh_manifest(recipe: Recipe) -> dict[str, Any]:
+    return {"recipe": asdict(recipe), "shards": {}, "format": "dspark-train-data/1",
+            "loss_mask": "positions >= prompt_len (assistant tokens, stop token included)"}
+
+
+def _manifest_files(out: Path) -> list[Path]:
+    """manifest.json (if any) first, then the per-rank parts."""
+    return [p for p in [out / MANIFEST] if p.exists()] + sorted(out.glob(PART.format("*")))
+
+
 def _load_manifest(out: Path, recipe: Recipe) -> dict[str, Any]:
-    """Existing manifest (its recipe must match, except model_path) or a fresh one."""
-    path = out / MANIFEST
-    fresh = {"recipe": asdict(recipe), "shards": {}, "format": "dspark-train-data/1",
-             "loss_mask": "positions >= prompt_len (assistant tokens, stop token included)"}
-    if not path.exists():
-        return fresh
-    old = json.loads(path.read_text())
+    """Existing manifest (every file's recipe must match, except model_path) or a fresh one."""
     mine = {k: v for k, v in asdict(recipe).items() if k != "model_path"}
-    theirs = {k: v for k, v in old.get("recipe", {}).items() if k != "model_path"}
-    if mine != theirs:
-        raise ValueError(f"{path} was written with a different recipe; use a new output dir\n"
-                         f"  existing: {theirs}\n  now:      {mine}")
-    return old
+    found = None
+    for path in _manifest_files(out):
+        old = json.loads(path.read_text())
+        theirs = {k: v for k, v in old.get("recipe", {}).items() if k != "model_path"}
+        if mine != theirs:
+            raise ValueError(f"{path} was written with a different recipe; use a new output dir\n"
+                             f"  existing: {theirs}\n  now:      {mine}")
+        found = found or old
+    return found if found is not None else _fresh_manifest(recipe)
 
 
-def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(out / MANIFEST)
+def read_manifest(data_dir: str | Path) -> dict[str, Any]:
+    """The merged manifest: recipe plus one entry per shard file on disk (shard files are the truth).
+
+    Entries come from manifest.json and every manifest.rank-R.json; entries whose shard is gone are
+    dropped, and a shard without an entry (killed between its write and the manifest's) is read for its stats.
+    """
+    out = Path(data_dir)
+    files = _manifest_files(out)
+    if not files:
+        raise FileNotFoundError(f"no {MANIFEST} in {out}: run `dspark train-data` first")
+    merged: dict[str, Any] = {}
+    entries: dict[str, dict] = {}
+    for path in files:
+        m = json.loads(path.read_text())
+        if not merged or (not merged["recipe"].get("model_path") and m["recipe"].get("model_path")):
+            merged = {**m, "shards": {}}
+        entries.update(m.get("shards", {}))
+    for shard in sorted(out.glob("shard_*.pt")):
+        st = entries.get(shard.name)
+        if st is None:
+            s = torch.load(shard)
+            st = s.get("stats") or {"sequences": len(s["prompt_lens"]),
+                                    "response_tokens": int(s["offsets"][-1]) - int(s["prompt_lens"].sum())}
+        merged["shards"][shard.name] = st
+    return merged
+
+
+def _refresh(out: Path) -> dict[str, Any]:
+    """Rewrite manifest.json as the merged view (a snapshot; read_manifest stays authoritative)."""
+    merged = read_manifest(out)
+    _write_json(out / MANIFEST, merged)
+    return merged
+
+
+def _host_pid() -> str:
+    """hostname.pid: unique among processes sharing the output dir, also across nodes."""
+    import socket
+
+    return f"{socket.gethostname()}.{os.getpid()}"
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    """Atomic write through a per-process temporary file (concurrent writers never interleave)."""
+    tmp = path.with_name(f".{path.name}.{_host_pid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def load_sequences(data_dir: str | Path) -> list[tuple[torch.Tensor, int, str]]:
