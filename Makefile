@@ -25,7 +25,7 @@ model: install
 	$(BIN)/dspark prepare
 
 run: model
-	$(BIN)/dspark generate --max-tokens 96 "Explain in three sentences why the sky is blue."
+	$(BIN)/dspark demo
 
 test: model
 	$(BIN)/python -m pytest -q tests
