@@ -128,6 +128,13 @@ def test_drafter_mismatch_and_missing(tiny_llama_dir, drafters, tmp_path):
         LLM(tiny_llama_dir, speculative_algorithm="DSPARK", draft_model=tmp_path)
     with pytest.raises(ValueError, match="DSpark drafter"):
         LLM(tiny_llama_dir, speculative_algorithm="DFLASH", draft_model=drafters["DSPARK"])
+    from dspark.drafters import DSparkDrafter as D
+
+    dec = load_decoder(tiny_llama_dir)
+    wrong = D.from_pretrained(drafters["DSPARK"], dec.embed_tokens.weight, dec.lm_head.weight)
+    wrong.save_pretrained(tmp_path / "wrong", metadata={"trained_for": {"num_hidden_layers": 30}})
+    with pytest.raises(ValueError, match="trained for a 30-layer target"):
+        LLM(tiny_llama_dir, speculative_algorithm="DSPARK", draft_model=tmp_path / "wrong", planner="fixed")
     with pytest.raises(ValueError, match="exceeds"):
         LLM(tiny_llama_dir, speculative_algorithm="DSPARK", draft_model=drafters["DSPARK"], num_draft_tokens=9,
             planner="fixed")

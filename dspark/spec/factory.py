@@ -79,6 +79,9 @@ def _check_compatible(drafter, decoder: Decoder, path: Path) -> None:
     if c.hidden_size != t.hidden_size or c.vocab_size != t.vocab_size:
         raise ValueError(f"drafter {path} (hidden {c.hidden_size}, vocab {c.vocab_size}) does not fit the target "
                          f"(hidden {t.hidden_size}, vocab {t.vocab_size})")
+    trained = (getattr(drafter, "metadata", None) or {}).get("trained_for", {}).get("num_hidden_layers")
+    if trained is not None and trained != t.num_layers:
+        raise ValueError(f"drafter {path} was trained for a {trained}-layer target; this target has {t.num_layers}")
     bad = [i for i in c.target_layer_ids if not 0 <= i < t.num_layers]
     if bad:
         raise ValueError(f"drafter {path} reads target layers {bad}; the target has {t.num_layers}")
