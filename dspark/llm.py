@@ -7,6 +7,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from dspark.cache import KVCache
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.scheduler import SchedulerConfig
 from dspark.models.embedded import ensure_embedded_model
@@ -56,7 +57,7 @@ class LLM:
         self.decoder = load_decoder(self.model_path, dtype=_DTYPES[dtype], device=device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         c = self.decoder.config
-        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=_DTYPES[dtype]).element_size()
+        per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, _DTYPES[dtype])
         blocks = num_kv_blocks or max(1, kv_cache_mb * 2**20 // (per_token * block_size))
         proposer = build_proposer(self.speculative, self.decoder, self.model_path)
         widest = max_num_seqs * (1 + proposer.max_drafts)

@@ -129,7 +129,7 @@ class LLMEngine:
                           "last" if not s.output_token_ids and s.num_cached + n == s.prefill_target else "none")
                    for s, n in batch.prefills]
         full = self.verify_mode == "cap-accept"
-        windows += [Window(s.request_id, [s.tokens[-1]] + proposal.tokens[i][: None if full else lengths[i]],
+        windows += [Window(s.request_id, [s.last_token] + proposal.tokens[i][: None if full else lengths[i]],
                            s.num_cached, "all") for i, s in enumerate(batch.decodes)]
         result = self.runner.run(windows)
         t3 = time.perf_counter()
@@ -178,14 +178,11 @@ class LLMEngine:
             self.cache.truncate(seq.request_id, seq.num_cached)
             self.proposer.observe(seq, None if hidden is None else hidden[: seq.num_cached - start], start)
         st, ss = self.stats, seq.stats
-        st.rounds += 1
-        ss.rounds += 1
-        st.drafted += len(proposal.tokens[i])
-        ss.drafted += len(proposal.tokens[i])
-        st.verified += l
-        ss.verified += l
-        st.accepted += acc.num_accepted
-        ss.accepted += acc.num_accepted
+        for counters in (st, ss):  # global and per-request speculation counters
+            counters.rounds += 1
+            counters.drafted += len(proposal.tokens[i])
+            counters.verified += l
+            counters.accepted += acc.num_accepted
         ss.accept_lengths.append(committed)
         ss.verify_lengths.append(l)
         return [seq]

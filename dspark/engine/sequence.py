@@ -60,6 +60,11 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def last_token(self) -> int:
+        """The next round's anchor, without copying the whole history as `tokens` does."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -31,7 +31,7 @@ class BlockDrafterProposer:
             return Proposal(tokens=[], probs=[], confidences=[])
         out = self.drafter.draft(
             [self._caches[s.request_id] for s in seqs],
-            [s.tokens[-1] for s in seqs],
+            [s.last_token for s in seqs],
             [s.num_tokens - 1 for s in seqs],
             temperature=[s.params.temperature for s in seqs],
             top_k=[s.params.top_k for s in seqs],
