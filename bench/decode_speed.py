@@ -1,5 +1,7 @@
 """Decode speed on the embedded model, batch 1, greedy, one prompt, one thread count, side by side:
-dspark's engine vs transformers' generate(), plus the memory roofline (weight bytes / bandwidth).
+dspark's engine (fp32, and bf16 with packed weights: the "auto" dtype on AMX / AVX-512-bf16 CPUs) vs
+transformers' generate() in fp32 (its fastest CPU setting), plus the memory roofline per dtype
+(weight bytes / measured read bandwidth).
 
     .venv/bin/python bench/decode_speed.py [--tokens 128] [--repeats 3] [--json out.json]
 """
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -42,27 +45,30 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    llm = LLM()
-    tok = AutoTokenizer.from_pretrained(str(llm.model_path))
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.float32).eval()
-    prompt_ids = tok.encode(llm.apply_chat_template([{"role": "user", "content": PROMPT}]))
-    ours, theirs = [], []
-    for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits both
-        ours.append(time_dspark(llm, prompt_ids, args.tokens))
-        theirs.append(time_transformers(hf, prompt_ids, args.tokens))
+    engines = {"float32": LLM(dtype="float32"), "bfloat16": LLM(dtype="bfloat16")}
+    path = engines["float32"].model_path
+    tok = AutoTokenizer.from_pretrained(str(path))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompt_ids = tok.encode(engines["float32"].apply_chat_template([{"role": "user", "content": PROMPT}]))
+    speeds: dict[str, list[float]] = {f"dspark_{k}": [] for k in engines}
+    speeds["transformers_float32"] = []
+    for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every method
+        for name, llm in engines.items():
+            speeds[f"dspark_{name}"].append(time_dspark(llm, prompt_ids, args.tokens))
+        speeds["transformers_float32"].append(time_transformers(hf, prompt_ids, args.tokens))
     bw = read_bandwidth_gbs()
-    nbytes = weight_bytes(llm.decoder)
-    roofline = ceiling_tokens_per_s(bw, nbytes)
-    best_ours, best_theirs = max(ours), max(theirs)
-    result = {
-        "threads": torch.get_num_threads(), "tokens": args.tokens, "prompt_tokens": len(prompt_ids),
-        "dspark_tokens_per_s": [round(x, 2) for x in ours],
-        "transformers_tokens_per_s": [round(x, 2) for x in theirs],
-        "speedup_best": round(best_ours / best_theirs, 2),
-        "read_bandwidth_gb_s": round(bw, 2), "weight_bytes": nbytes,
-        "roofline_tokens_per_s": round(roofline, 2),
-        "dspark_fraction_of_roofline": round(best_ours / roofline, 3),
-    }
+    ref = statistics.median(speeds["transformers_float32"])
+    result = {"threads": torch.get_num_threads(), "tokens": args.tokens, "prompt_tokens": len(prompt_ids),
+              "read_bandwidth_gb_s": round(bw, 2),
+              "tokens_per_s": {k: [round(x, 2) for x in v] for k, v in speeds.items()},
+              "median_tokens_per_s": {k: round(statistics.median(v), 2) for k, v in speeds.items()},
+              "speedup_vs_transformers": {k: round(statistics.median(v) / ref, 2) for k, v in speeds.items()}}
+    for name, llm in engines.items():
+        nbytes = weight_bytes(llm.decoder)
+        roofline = ceiling_tokens_per_s(bw, nbytes)
+        result[f"dspark_{name}_weight_bytes"] = nbytes
+        result[f"dspark_{name}_roofline_tokens_per_s"] = round(roofline, 2)
+        result[f"dspark_{name}_fraction_of_roofline"] = round(statistics.median(speeds[f"dspark_{name}"]) / roofline, 3)
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:

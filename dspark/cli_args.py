@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 
+from dspark.models.loader import DTYPE_CHOICES
 from dspark.spec.config import ALGORITHMS, PLANNERS, VERIFY_MODES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="local Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto: bfloat16 on CUDA and on CPUs with AMX / AVX-512-bf16, else float32")
     p.add_argument("--device", default="cpu")
 
 

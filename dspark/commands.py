@@ -85,12 +85,12 @@ def generate(args) -> int:
 def profile(args) -> int:
     import torch
 
-    from dspark.llm import _DTYPES, resolve_model_path
-    from dspark.models.loader import load_decoder
+    from dspark.llm import resolve_model_path
+    from dspark.models.loader import load_decoder, resolve_dtype
     from dspark.spec.profile import default_sizes, profile_sps
 
     path = resolve_model_path(args.model)
-    decoder = load_decoder(path, dtype=_DTYPES[args.dtype], device=args.device)
+    decoder = load_decoder(path, dtype=resolve_dtype(args.dtype, args.device), device=args.device, pack=True)
     table = profile_sps(decoder, default_sizes(args.max_tokens), repeats=args.repeats, name=path.name)
     if args.out:
         table.save(args.out)

@@ -11,14 +11,11 @@ from dspark.cache import KVCache
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.scheduler import SchedulerConfig
 from dspark.models.embedded import ensure_embedded_model
-from dspark.models.loader import load_decoder
+from dspark.models.loader import load_decoder, resolve_dtype
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import SamplingParams
 from dspark.spec.config import SpeculativeConfig
 from dspark.spec.factory import build_planner, build_proposer
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def resolve_model_path(model: str | Path | None) -> Path:
     """None -> the embedded default (converted once); otherwise a local Hugging Face directory."""
@@ -35,15 +32,15 @@ def resolve_model_path(model: str | Path | None) -> Path:
 class LLM:
     """Load a target model and generate with continuous batching."""
 
-    def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "cpu",
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, kv_cache_mb: int = 1024,
                  max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  speculative_algorithm: str | None = None, draft_model: str | Path | None = None,
                  num_draft_tokens: int | None = None, planner: str = "throughput", threshold: float = 0.5,
-                 throughput_variant: str = "lagged", sps_table: str | Path | None = None,
+                 throughput_variant: str = "lagged", skip_drafting: bool = True,
+                 sps_table: str | Path | None = None,
                  sts_path: str | Path | None = None, verify_mode: str = "compact", profile_progress: bool = True):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        torch_dtype = resolve_dtype(dtype, device)
         if kv_cache_mb <= 0:
             raise ValueError(f"kv_cache_mb must be positive, got {kv_cache_mb}")
         from transformers import AutoTokenizer
@@ -51,13 +48,13 @@ class LLM:
         self.speculative = SpeculativeConfig(
             algorithm=speculative_algorithm or "NONE", draft_model=None if draft_model is None else str(draft_model),
             block_size=num_draft_tokens, planner=planner, threshold=threshold,
-            throughput_variant=throughput_variant, sps_table=None if sps_table is None else str(sps_table),
+            throughput_variant=throughput_variant, skip_drafting=skip_drafting, sps_table=None if sps_table is None else str(sps_table),
             sts_path=None if sts_path is None else str(sts_path), verify_mode=verify_mode)
         self.model_path = resolve_model_path(model)
-        self.decoder = load_decoder(self.model_path, dtype=_DTYPES[dtype], device=device)
+        self.decoder = load_decoder(self.model_path, dtype=torch_dtype, device=device, pack=True)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         c = self.decoder.config
-        per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, _DTYPES[dtype])
+        per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.decoder.kv_dtype)
         blocks = num_kv_blocks or max(1, kv_cache_mb * 2**20 // (per_token * block_size))
         proposer = build_proposer(self.speculative, self.decoder, self.model_path)
         widest = max_num_seqs * (1 + proposer.max_drafts)

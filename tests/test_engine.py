@@ -24,7 +24,7 @@ def hf_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, kv_cache_mb=4)
+    return LLM(tiny_llama_dir, kv_cache_mb=4, dtype="float32")  # compared with transformers in fp32
 
 
 def test_batched_equals_single_equals_transformers(tiny_llm, tiny_llama_dir):

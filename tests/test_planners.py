@@ -18,6 +18,7 @@ from dspark.spec.planners import (
     plan_fixed,
     plan_lagged_topk,
     plan_threshold,
+    speculation_pays,
 )
 
 Conf = Sequence[Sequence[float]]
@@ -154,6 +155,31 @@ def test_throughput_planner_uses_confidences_two_rounds_back() -> None:
     assert planner.plan(["r"], [low]) == [3]  # history forgotten: prior again
     alg1 = ThroughputPlanner(table, variant="algorithm1")
     assert alg1.plan(["r"], [high]) == plan_algorithm1([high], table)
+
+
+def test_speculation_pays_counts_drafting_time() -> None:
+    table = SPSTable({1: 10.0, 2: 9.5, 4: 9.0, 8: 8.0})  # plain: 10 tokens/s at batch 1
+    sure = [[0.9, 0.9, 0.9]]  # survival .9 .81 .73: about 3.4 tokens per round at 9 rounds/s
+    assert speculation_pays(sure, table, draft_seconds=0.0)
+    assert speculation_pays(sure, table, draft_seconds=0.1)  # 3.4 / (0.11 + 0.1) = 16 > 10
+    assert not speculation_pays(sure, table, draft_seconds=0.5)  # 3.4 / 0.61 = 5.6 < 10
+    assert not speculation_pays([[0.05, 0.01]], table, draft_seconds=0.01)
+    assert not speculation_pays([], table, draft_seconds=0.0)
+
+
+def test_throughput_planner_skips_drafting_only_when_it_cannot_pay() -> None:
+    table = SPSTable({1: 10.0, 2: 9.5, 4: 9.0, 8: 8.0})
+    planner = ThroughputPlanner(table, draft_seconds={1: 0.05, 4: 0.11}, probe_every=3)
+    assert planner.should_draft(["r"])  # no confidences yet
+    planner.plan(["r"], [[0.05, 0.05]])
+    assert [planner.should_draft(["r"]) for _ in range(6)] == [False, False, True, False, False, True]
+    assert planner.should_draft(["r", "new"])  # a new request has no confidences yet: draft
+    planner.plan(["r"], [[0.95, 0.95]])  # confidences came back up
+    assert planner.should_draft(["r"])
+    assert ThroughputPlanner(table).should_draft(["r"])  # no drafting times measured: always draft
+    assert planner.draft_seconds(2) == pytest.approx(0.07) and planner.draft_seconds(8) == pytest.approx(0.22)
+    with pytest.raises(ValueError, match="probe_every"):
+        ThroughputPlanner(table, probe_every=0)
 
 
 def test_make_planner() -> None:

@@ -81,6 +81,19 @@ def test_greedy_is_lossless(case, tiny_llama_dir, drafters, sps_file, plain):
     assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
 
 
+def test_skipped_drafting_is_lossless(tiny_llama_dir, drafters, sps_file, plain):
+    """A drafting pass that (by its recorded time) never pays: the planner skips the drafter, except
+    every probe_every-th round, and the output is still plain decoding's."""
+    llm = LLM(tiny_llama_dir, kv_cache_mb=8, speculative_algorithm="DSPARK", draft_model=drafters["DSPARK"],
+              sps_table=sps_file)
+    llm.engine.planner.draft_table = {1: 10.0}  # far slower than any target step
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    st = llm.engine.stats
+    assert st.skipped_drafting > 0 and 0 < st.drafted < st.rounds * 4
+    assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
+
+
 def test_ngram_accepts_on_repetitive_text(tiny_llama_dir, plain):
     llm = LLM(tiny_llama_dir, kv_cache_mb=8, speculative_algorithm="NGRAM")
     out = llm.generate([PROMPTS[0]], GREEDY)[0]

@@ -71,6 +71,24 @@ def test_overfit_loss_decreases_and_export(tiny_setup, tmp_path):
     assert meta["draft_vocab_size"] == 512 and meta["dspark"]["val"]["loss"] == pytest.approx(val["loss"])
 
 
+def test_init_from_starts_from_a_checkpoint(tiny_setup, tmp_path):
+    from safetensors.torch import load_file
+
+    model, data, _, _ = tiny_setup
+    out = tmp_path / "first"
+    Trainer(_cfg(model, data, tmp_path / "a", steps=3, draft_vocab_size=512, export=str(out))).fit()
+    warm = Trainer(_cfg(model, data, tmp_path / "b", steps=3, draft_vocab_size=512, init_from=str(out)))
+    saved = load_file(str(out / "model.safetensors"))
+    state = warm.model.state_dict()
+    assert set(saved) <= set(state)
+    for k, v in saved.items():
+        assert torch.equal(state[k], v.to(state[k].dtype)), k
+    with pytest.raises(ValueError, match="differs"):
+        Trainer(_cfg(model, data, tmp_path / "c", steps=3, draft_vocab_size=512, markov_rank=4, init_from=str(out)))
+    with pytest.raises(FileNotFoundError, match="not a drafter directory"):
+        Trainer(_cfg(model, data, tmp_path / "d", init_from=str(tmp_path)))
+
+
 def _params(tr: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in tr.model.named_parameters()}
 

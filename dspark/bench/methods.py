@@ -76,7 +76,7 @@ class Setup:
     """What every method of one suite shares."""
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     dspark_draft: str | None = None
     dflash_draft: str | None = None
@@ -150,12 +150,16 @@ class HFMethod:
     def __init__(self, name: str, setup: Setup, block_size: int | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from dspark.llm import _DTYPES, resolve_model_path
+        from dspark.llm import resolve_model_path
+        from dspark.models.loader import resolve_dtype
 
         path = resolve_model_path(setup.model)
         self.name = name
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[setup.dtype]).to(setup.device)
+        # "auto" gives transformers its own fastest CPU setting, fp32 (its bf16 matmuls re-pack weights each call)
+        dtype = "float32" if setup.dtype == "auto" and setup.device == "cpu" else setup.dtype
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype, setup.device))
+        self.model.to(setup.device)
         self.model.eval()
         self.lookup = (block_size or 7) if name == "hf-pld" else None
         eos = {self.tokenizer.eos_token_id}

@@ -66,9 +66,11 @@ def kv_cache_mb(setup: Setup, longest: int, max_tokens: int, concurrency: int) -
     """A KV pool big enough for `concurrency` of the longest request (plus draft room), in MiB."""
     from dspark.llm import resolve_model_path
     from dspark.models.config import ModelConfig
+    from dspark.models.loader import resolve_dtype
 
     c = ModelConfig.from_pretrained(resolve_model_path(setup.model))
-    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * (2 if setup.dtype != "float32" else 4)
+    itemsize = 4 if setup.device == "cpu" else resolve_dtype(setup.dtype, setup.device).itemsize  # Decoder.kv_dtype
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
     tokens = concurrency * (longest + max_tokens + 80)
     return max(8, int(tokens * per_token * 1.25) // 2**20 + 1)
 

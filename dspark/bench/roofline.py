@@ -29,8 +29,21 @@ def read_bandwidth_gbs(mb: int = 256, repeats: int = 5, device: str = "cpu") -> 
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the distinct parameters (tied embeddings counted once): what one decode step reads."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of weights one decode step reads: every linear (packed copies included, a tied LM head
+    once) and norm, but not embedding tables, of which a step reads one row per token."""
+    from dspark.models.packing import PackedLinear
+
+    seen: set[int] = set()
+    nbytes = 0
+    for m in module.modules():
+        if isinstance(m, torch.nn.Embedding):
+            continue
+        tensors = [m.packed, m.bias] if isinstance(m, PackedLinear) else list(m.parameters(recurse=False))
+        for t in tensors:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                nbytes += t.numel() * t.element_size()
+    return nbytes
 
 
 def ceiling_tokens_per_s(bandwidth_gbs: float, nbytes: int) -> float:
@@ -38,18 +51,18 @@ def ceiling_tokens_per_s(bandwidth_gbs: float, nbytes: int) -> float:
     return bandwidth_gbs * 1e9 / nbytes
 
 
-def run_roofline(model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
+def run_roofline(model: str | None = None, *, dtype: str = "auto", device: str = "cpu",
                  sps_table: str | None = None, max_tokens: int = 64, repeats: int = 5,
                  bandwidth_mb: int = 256, context: int = 128, save_sps: str | None = None,
                  progress: bool = True) -> dict:
     """Measure bandwidth, weight bytes and the SPS curve (or read it from `sps_table`): the 'roofline' section.
     save_sps: also write the table where the throughput planner (--sps-table) can read it."""
-    from dspark.llm import _DTYPES, resolve_model_path
-    from dspark.models.loader import load_decoder
+    from dspark.llm import resolve_model_path
+    from dspark.models.loader import load_decoder, resolve_dtype
     from dspark.spec.profile import default_sizes, profile_sps
 
     path = resolve_model_path(model)
-    decoder = load_decoder(path, dtype=_DTYPES[dtype], device=device)
+    decoder = load_decoder(path, dtype=resolve_dtype(dtype, device), device=device, pack=True)
     nbytes = weight_bytes(decoder)
     bw = read_bandwidth_gbs(bandwidth_mb, device=device)
     if sps_table:

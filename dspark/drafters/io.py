@@ -15,6 +15,50 @@ if TYPE_CHECKING:
 
 CONFIG, WEIGHTS, STS = "config.json", "model.safetensors", "sts.json"
 FORMAT = "dspark-drafter"
+SPECULATORS_KEYS = ("speculators_model_type", "aux_hidden_state_layer_ids", "enable_confidence_head",
+                    "sample_from_anchor", "transformer_layer_config", "target")
+LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "rms_norm_eps", "rope_theta", "qk_norm", "attention_bias", "vocab_size")
+
+
+def speculators_fields(config: DrafterConfig, trained_for: dict[str, Any] | None) -> dict[str, Any]:
+    """The same facts under speculators' names, written next to dspark's own so either side can read them."""
+    return {
+        "speculators_model_type": "dspark" if config.markov_rank or config.confidence_head else "dflash",
+        "aux_hidden_state_layer_ids": list(config.target_layer_ids),
+        "enable_confidence_head": config.confidence_head,
+        "sample_from_anchor": True,  # block position 0 is the anchor (the last committed token)
+        "transformer_layer_config": {"num_hidden_layers": config.num_layers,
+                                     **{k: getattr(config, k) for k in LAYER_KEYS}},
+        "target": trained_for or {},
+    }
+
+
+def _check_aliases(raw: dict[str, Any], config: DrafterConfig, src: Path) -> None:
+    """The speculators-named copies must agree with dspark's fields (a hand-edited file may not)."""
+    expect = speculators_fields(config, raw.get("target"))
+    for key in ("aux_hidden_state_layer_ids", "enable_confidence_head", "transformer_layer_config"):
+        if key in raw and raw[key] != expect[key]:
+            raise ValueError(f"{src / CONFIG}: {key} = {raw[key]!r} disagrees with the drafter fields "
+                             f"({expect[key]!r})")
+
+
+def config_dict(config: DrafterConfig, metadata: dict[str, Any]) -> dict[str, Any]:
+    """config.json content: dspark's fields, their speculators-named copies, and the metadata."""
+    return {"format": FORMAT, **config.to_dict(), **speculators_fields(config, metadata.get("trained_for")),
+            "dspark": metadata}
+
+
+def parse_config(raw: dict[str, Any], src: Path) -> tuple[DrafterConfig, dict[str, Any]]:
+    """Inverse of config_dict (an absent "format" means dspark's own): (config, metadata)."""
+    raw = dict(raw)
+    if raw.pop("format", FORMAT) != FORMAT:
+        raise ValueError(f"{src / CONFIG} is not a {FORMAT} checkpoint")
+    metadata = raw.pop("dspark", {}) or {}
+    aliases = {k: raw.pop(k) for k in SPECULATORS_KEYS if k in raw}
+    config = DrafterConfig.from_dict(raw)
+    _check_aliases(aliases, config, src)
+    return config, metadata
 
 
 def save_drafter(model: "DSparkDrafter", directory: str | Path, metadata: dict[str, Any] | None = None) -> None:
@@ -22,8 +66,7 @@ def save_drafter(model: "DSparkDrafter", directory: str | Path, metadata: dict[s
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(model.metadata if metadata is None else metadata)
-    config = {"format": FORMAT, **model.config.to_dict(), "dspark": meta}
-    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (out / CONFIG).write_text(json.dumps(config_dict(model.config, meta), indent=2) + "\n")
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     if model.sts_temperatures is not None:
@@ -34,11 +77,7 @@ def load_drafter(cls: type["DSparkDrafter"], directory: str | Path, embed_weight
                  lm_head_weight: torch.Tensor) -> "DSparkDrafter":
     """Rebuild a drafter from save_drafter's files around the target's embedding and LM head."""
     src = Path(directory)
-    raw = json.loads((src / CONFIG).read_text())
-    if raw.pop("format", FORMAT) != FORMAT:
-        raise ValueError(f"{src / CONFIG} is not a {FORMAT} checkpoint")
-    metadata = raw.pop("dspark", {}) or {}
-    config = DrafterConfig.from_dict(raw)
+    config, metadata = parse_config(json.loads((src / CONFIG).read_text()), src)
     tensors = load_file(str(src / WEIGHTS))
     model = cls(config, embed_weight, lm_head_weight, d2t=tensors.get("d2t"))
     model.load_state_dict(tensors, strict=True)

@@ -87,6 +87,8 @@ class DSparkDrafter(Backbone):
         """Block token ids [B, T] -> (hidden h [B, T, d], base logits U [B, T, Vd] fp32)."""
         x = self.embed_weight[block_ids].to(self.fc.weight.dtype)
         h = self.run_layers(x, positions, ctx, mask)
+        if self._packed_head is not None:
+            return h, self._packed_head(h).float()
         return h, (h @ self.lm_head.to(h.dtype).T).float()
 
     def _block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
@@ -146,6 +148,17 @@ class DSparkDrafter(Backbone):
         return logits, conf
 
     # ---- inference -----------------------------------------------------------------------------
+    _packed_head = None
+
+    def pack(self) -> "DSparkDrafter":
+        """Inference on a bf16 CPU: every linear and the draft LM head in oneDNN's packed layout
+        (models/packing.py). Plain weights stay readable; training must use an unpacked drafter."""
+        from dspark.models.packing import PackedLinear, pack_linears
+
+        pack_linears(self, keep=True)
+        object.__setattr__(self, "_packed_head", PackedLinear(self.lm_head))
+        return self
+
     def new_cache(self, capacity: int = 64) -> DrafterCache:
         """An empty per-request context cache on the drafter's device and dtype."""
         c = self.config

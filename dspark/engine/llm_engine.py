@@ -41,6 +41,7 @@ class EngineStats:
     time_plan: float = 0.0
     time_verify: float = 0.0
     ceiling_accepted: int = 0  # cap-accept, greedy requests: drafts the full window would have kept
+    skipped_drafting: int = 0  # steps whose decodes ran without drafting (the planner's call)
 
 
 class LLMEngine:
@@ -121,7 +122,7 @@ class LLMEngine:
         if not batch.prefills and not batch.decodes:
             return []
         t0 = time.perf_counter()
-        proposal = self.proposer.propose(batch.decodes)
+        proposal = self._propose(batch.decodes)
         t1 = time.perf_counter()
         lengths = self._plan(batch.decodes, proposal)
         t2 = time.perf_counter()
@@ -146,9 +147,19 @@ class LLMEngine:
         st.time_verify += t3 - t2
         return [self._output(s) for s in changed]
 
+    def _propose(self, seqs: list[Sequence]) -> Proposal:
+        """Drafts for the decoding requests, unless the planner says drafting cannot pay this round."""
+        if not seqs or self.proposer.max_drafts == 0:
+            return self.proposer.propose(seqs)
+        ids = [s.request_id for s in seqs]
+        if self.planner is not None and self.verify_mode != "static" and not self.planner.should_draft(ids):
+            self.stats.skipped_drafting += 1
+            return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs), confidences=None)
+        return self.proposer.propose(seqs)
+
     def _plan(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
         n = [len(t) for t in proposal.tokens]
-        if self.planner is None or not seqs or self.verify_mode == "static":
+        if self.planner is None or not seqs or self.verify_mode == "static" or not any(n):
             return n
         lengths = self.planner.plan([s.request_id for s in seqs], proposal.confidences or [[1.0] * k for k in n])
         return [min(a, b) for a, b in zip(lengths, n)]

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from dspark.drafters.config import DrafterConfig
-from dspark.drafters.io import CONFIG, FORMAT, STS, WEIGHTS, read_sts
+from dspark.drafters.io import CONFIG, STS, WEIGHTS, config_dict, parse_config, read_sts
 from dspark.drafters.model import DSparkDrafter
 from dspark.interop.layout import Tensors, check_tensors, read_json, write_checkpoint, write_json
 
@@ -40,17 +40,13 @@ class DrafterParts:
 
 def read_dspark(src: Path) -> DrafterParts:
     """A dspark-format drafter dir (drafters/io.py layout) without building the model."""
-    raw = read_json(src / CONFIG)
-    if raw.pop("format", FORMAT) != FORMAT:  # as drafters/io.py: an absent "format" means dspark's own
-        raise ValueError(f"{src / CONFIG} is not a {FORMAT} checkpoint")
-    metadata = raw.pop("dspark", {}) or {}
-    config = DrafterConfig.from_dict(raw)
+    config, metadata = parse_config(read_json(src / CONFIG), src)
     return DrafterParts(config, load_file(str(src / WEIGHTS)), metadata, read_sts(src / STS))
 
 
 def write_dspark(dst: Path, parts: DrafterParts) -> None:
     """Write parts in the layout DSparkDrafter.from_pretrained reads."""
-    write_checkpoint(dst, {"format": FORMAT, **parts.config.to_dict(), "dspark": parts.metadata}, parts.tensors)
+    write_checkpoint(dst, config_dict(parts.config, parts.metadata), parts.tensors)
     write_sts(dst, parts.sts)
 
 

@@ -35,22 +35,28 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
-        q, k, v = q.view(t, self.h, self.hd), k.view(t, self.hkv, self.hd), v.view(t, self.hkv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x).view(t, self.h + 2 * self.hkv, self.hd)
+        if self.q_norm is None:  # one RoPE call for q and k together
+            qk = apply_rotary(qkv[:, : self.h + self.hkv], cos, sin)
+            q, k = qk[:, : self.h], qk[:, self.h:]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, : self.h]), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, self.h : self.h + self.hkv]), cos, sin)
+        v = qkv[:, self.h + self.hkv:]
+        dt = q.dtype
+        if k_pool.dtype != dt:  # fp32 cache under bf16 weights on CPU: see Decoder.kv_dtype
+            q, k, v = q.to(k_pool.dtype), k.to(k_pool.dtype), v.to(k_pool.dtype)
         k_pool.index_copy_(0, meta.slot_mapping, k)
         v_pool.index_copy_(0, meta.slot_mapping, v)
         b, s = meta.kv_index.shape
         keys = k_pool.index_select(0, meta.kv_index.view(-1)).view(b, s, self.hkv, self.hd).transpose(1, 2)
         vals = v_pool.index_select(0, meta.kv_index.view(-1)).view(b, s, self.hkv, self.hd).transpose(1, 2)
         if meta.q_index is None:  # one sequence: no padding
-            qp = q.view(1, t, self.h, self.hd).transpose(1, 2)
+            qp = q.reshape(1, t, self.h, self.hd).transpose(1, 2)
         else:
             qp = q.new_zeros(b * meta.max_q, self.h, self.hd).index_copy_(0, meta.q_index, q)
             qp = qp.view(b, meta.max_q, self.h, self.hd).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=meta.mask, enable_gqa=self.h != self.hkv)
+        out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=meta.mask, enable_gqa=self.h != self.hkv).to(dt)
         out = out.transpose(1, 2).reshape(b * meta.max_q, self.h * self.hd)  # [B*Q, H*hd]
         if meta.q_index is not None:
             out = out.index_select(0, meta.q_index)
@@ -95,10 +101,18 @@ class Decoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache dtype: the model's, except fp32 under half-precision weights on a CPU. There the
+        attention kernel's bf16 rounding depends on how many queries and keys share a call, so a row of
+        a verify window would not match the same row decoded alone; in fp32 it does, which keeps
+        speculative decoding token-identical to plain decoding (tests/test_packing.py)."""
+        return torch.float32 if self.device.type == "cpu" else self.dtype
+
     def new_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
         c = self.config
         return KVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                       num_blocks=num_blocks, block_size=block_size, dtype=self.dtype, device=self.device)
+                       num_blocks=num_blocks, block_size=block_size, dtype=self.kv_dtype, device=self.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, *, logits_rows: torch.Tensor | None = None,

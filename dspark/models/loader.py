@@ -9,12 +9,29 @@ from safetensors import safe_open
 
 from dspark.models.config import ModelConfig
 from dspark.models.decoder import Decoder
+from dspark.models.packing import pack_linears, packing_supported
 
 _PREFIX = "model."
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
-def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Decoder:
-    """Build the decoder for `path/config.json` and load its safetensors weights."""
+def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
+    """A dtype name -> torch dtype. "auto": bf16 on CUDA and on CPUs with packed bf16 kernels (AMX /
+    AVX-512-bf16), where verifying a block of drafts costs about what decoding one token does; fp32 elsewhere."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if torch.device(device).type == "cuda" or packing_supported(torch.bfloat16, device):
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 pack: bool = False) -> Decoder:
+    """Build the decoder for `path/config.json` and load its safetensors weights. `pack`: for
+    inference, put the linears in oneDNN's packed layout where that is supported (bf16 on CPU)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {path}: expected a local Hugging Face model directory")
@@ -27,7 +44,10 @@ def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = type(model.rotary)(torch.tensor(cfg.inv_freq), cfg.rope_scale, 4096)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if pack and packing_supported(dtype, device):
+        pack_linears(model, keep=("lm_head",))  # the drafter reads the (tied) LM head
+    return model
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

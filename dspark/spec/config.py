@@ -18,6 +18,7 @@ class SpeculativeConfig:
     planner: str = "throughput"
     threshold: float = 0.5  # for planner="threshold"
     throughput_variant: str = "lagged"  # "lagged" (production) or "algorithm1"
+    skip_drafting: bool = True  # throughput planner: skip the drafter in rounds where it cannot pay
     sps_table: str | None = None  # JSON from `dspark profile`; None = profile once and cache
     sts_path: str | None = None  # STS temperatures; None = those shipped with the drafter
     verify_mode: str = "compact"

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from dspark.models.decoder import Decoder
 from dspark.models.embedded import embedded_model_dir
+from dspark.models.packing import packing_supported
 from dspark.spec.config import SpeculativeConfig
 from dspark.spec.cost_table import SPSTable
 from dspark.spec.planners import Planner, make_planner
@@ -52,6 +53,8 @@ def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -
         raise ValueError(f"block_size {cfg.block_size} exceeds the drafter's trained block size "
                          f"{drafter.config.block_size}")
     drafter = drafter.to(dtype=decoder.dtype, device=decoder.device).eval()
+    if packing_supported(decoder.dtype, decoder.device):
+        drafter.pack()
     sts = read_sts(Path(cfg.sts_path)) if cfg.sts_path else None
     if cfg.sts_path and sts is None:
         raise FileNotFoundError(f"STS file {cfg.sts_path!r} not found")
@@ -65,13 +68,15 @@ def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, 
         return None
     if cfg.planner == "threshold":
         return make_planner("threshold", threshold=cfg.threshold)
-    if cfg.sps_table:
-        table = SPSTable.load(cfg.sps_table)
-    else:
-        from dspark.spec.profile import load_or_profile
+    from dspark.spec.profile import load_or_profile, profile_drafting
 
-        table = load_or_profile(model_path, decoder, max_batch_tokens)
-    return make_planner("throughput", table, variant=cfg.throughput_variant)
+    table = SPSTable.load(cfg.sps_table) if cfg.sps_table else load_or_profile(model_path, decoder, max_batch_tokens)
+    draft_seconds = None
+    if cfg.skip_drafting and hasattr(proposer, "drafter"):
+        widest = max(1, max_batch_tokens // (1 + proposer.max_drafts))
+        sizes = sorted({1, 2, 4, 8, 16, 32, widest} & set(range(1, widest + 1)))
+        draft_seconds = profile_drafting(proposer.drafter, sizes)
+    return make_planner("throughput", table, variant=cfg.throughput_variant, draft_seconds=draft_seconds)
 
 
 def _check_compatible(drafter, decoder: Decoder, path: Path) -> None:

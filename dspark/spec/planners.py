@@ -152,12 +152,36 @@ def _check_batch(request_ids: Sequence[Hashable], conf: Sequence[Sequence[float]
         raise ValueError(f"duplicate request ids in {list(request_ids)}")
 
 
+def speculation_pays(lagged: Sequence[Sequence[float]], table: SPSTable, draft_seconds: float) -> bool:
+    """Whether drafting this round is expected to beat plain decoding, drafting time included.
+
+    Plain: R tokens per 1 / SPS(R) seconds. Speculating with a budget of K drafts: R + (sum of the K
+    largest lagged survival probabilities) tokens per 1 / SPS(R + K) + draft_seconds. Inputs are fixed
+    before this round's drafts exist, so skipping the drafter on this basis is lossless.
+    """
+    _check_conf(lagged)
+    r = len(lagged)
+    if r == 0:
+        return False
+    plain = r * table.sps(r)
+    gain = float(r)
+    for k, a in enumerate(sorted((a for row in lagged for a in survival(row)), reverse=True), start=1):
+        gain += a
+        if gain / (1.0 / table.sps(r + k) + draft_seconds) > plain:
+            return True
+    return False
+
+
 class Planner(ABC):
     """Per-round verify-length policy; may keep per-request state until release()."""
 
     @abstractmethod
     def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]]) -> list[int]:
         """Verify lengths l_r (0..len(conf[r])) for this round's requests."""
+
+    def should_draft(self, request_ids: Sequence[str | int]) -> bool:
+        """Whether to run the drafter this round at all (asked before drafting)."""
+        return True
 
     def release(self, request_id: str | int) -> None:
         """Forget any state kept for a finished request (no-op for stateless planners)."""
@@ -190,17 +214,58 @@ class ThresholdPlanner(Planner):
 class ThroughputPlanner(Planner):
     """Maximise expected tokens/s against a measured SPS table (lagged top-K or Algorithm 1)."""
 
-    def __init__(self, table: SPSTable | None, variant: str = "lagged", lag: int = 2) -> None:
-        """variant in {"lagged", "algorithm1"}; lag = rounds between a confidence row and its use."""
+    def __init__(self, table: SPSTable | None, variant: str = "lagged", lag: int = 2,
+                 draft_seconds: dict[int, float] | None = None, probe_every: int = 8) -> None:
+        """variant in {"lagged", "algorithm1"}; lag = rounds between a confidence row and its use.
+
+        draft_seconds: measured time of one drafting pass per batch size. With it, the drafter is
+        skipped in rounds where, by each request's latest confidences, that time and the SPS table,
+        no verify budget beats plain decoding; a request that has gone `probe_every` rounds without
+        drafts makes the round draft anyway, so its confidences stay current.
+        """
         if table is None:
             raise ValueError("the throughput planner needs a profiled SPS table (got None)")
         if variant not in THROUGHPUT_VARIANTS:
             raise ValueError(f"unknown throughput variant {variant!r}; choose from {THROUGHPUT_VARIANTS}")
         if lag < 1:
             raise ValueError(f"lag must be >= 1 round, got {lag}")
-        self.table, self.variant, self.lag = table, variant, lag
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1 round, got {probe_every}")
+        self.table, self.variant, self.lag, self.probe_every = table, variant, lag, probe_every
+        self.draft_table = dict(sorted((draft_seconds or {}).items()))
         # request id -> confidence rows of its last `lag` rounds, oldest first
         self._history: dict[str | int, deque[list[float]]] = {}
+        self._undrafted: dict[str | int, int] = {}  # request id -> rounds since it last drafted
+
+    def draft_seconds(self, num_requests: int) -> float | None:
+        """Drafting time for a batch: linear between measured sizes, proportional beyond the largest."""
+        pts = self.draft_table
+        if not pts:
+            return None
+        if num_requests in pts:
+            return pts[num_requests]
+        sizes = list(pts)
+        lo = max((n for n in sizes if n < num_requests), default=None)
+        hi = min((n for n in sizes if n > num_requests), default=None)
+        if lo is None:
+            return pts[hi]
+        if hi is None:
+            return pts[lo] * num_requests / lo
+        return pts[lo] + (pts[hi] - pts[lo]) * (num_requests - lo) / (hi - lo)
+
+    def should_draft(self, request_ids: Sequence[str | int]) -> bool:
+        """Draft unless speculation cannot pay this round (see speculation_pays). New requests, a
+        request due for a probe, or no measured drafting time: draft."""
+        t = self.draft_seconds(len(request_ids))
+        hist = [self._history.get(rid) for rid in request_ids]
+        due = any(self._undrafted.get(rid, 0) + 1 >= self.probe_every for rid in request_ids)
+        if t is None or due or any(not h for h in hist) or speculation_pays([h[-1] for h in hist], self.table, t):
+            for rid in request_ids:
+                self._undrafted[rid] = 0
+            return True
+        for rid in request_ids:
+            self._undrafted[rid] = self._undrafted.get(rid, 0) + 1
+        return False
 
     def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]]) -> list[int]:
         """Verify lengths for this round; the lagged variant also records conf for later rounds."""
@@ -229,6 +294,7 @@ class ThroughputPlanner(Planner):
     def release(self, request_id: str | int) -> None:
         """Drop the request's confidence history."""
         self._history.pop(request_id, None)
+        self._undrafted.pop(request_id, None)
 
 
 def make_planner(name: str, table: SPSTable | None = None, **kw: object) -> Planner:

@@ -77,3 +77,26 @@ def load_or_profile(model_path: Path, decoder: Decoder, max_tokens: int, *, prog
     path.parent.mkdir(parents=True, exist_ok=True)
     table.save(path)
     return table
+
+
+@torch.inference_mode()
+def profile_drafting(drafter, sizes: list[int], *, context: int = 128, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one drafting pass (one block per request) for each batch size in `sizes`,
+    over `context` cached positions per request. Measured once when the planner is built, so that
+    its skip-the-drafter decisions stay reproducible within a run."""
+    gen = torch.Generator().manual_seed(0)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    cache = drafter.new_cache(context + 8)
+    drafter.extend(cache, torch.randn(context, width, generator=gen).to(dev, dtype), 0)
+    out = {}
+    for r in sizes:
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            t = time.perf_counter()
+            drafter.draft([cache] * r, [1] * r, [context] * r)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out[r] = statistics.median(times[1:])
+    return out

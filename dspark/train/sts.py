@@ -141,12 +141,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Collect greedy verification logs on held-out sequences, fit, write sts.json + PNG, print the table."""
     from dspark.drafters import DSparkDrafter
     from dspark.llm import resolve_model_path
-    from dspark.models.loader import load_decoder
+    from dspark.models.loader import load_decoder, resolve_dtype
     from dspark.train.datagen import load_sequences
     from dspark.train.features import FEAT, target_features
     from dspark.train.trainer import sample_anchors
 
-    target = load_decoder(resolve_model_path(args.model))
+    target = load_decoder(resolve_model_path(args.model), dtype=resolve_dtype(args.dtype), pack=True)
     drafter = DSparkDrafter.from_pretrained(args.drafter, target.embed_tokens.weight, target.lm_head.weight).eval()
     layers = list(drafter.config.target_layer_ids)
     seqs = load_sequences(args.data)

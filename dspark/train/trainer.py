@@ -113,11 +113,12 @@ class Trainer:
 
     def _load_target(self) -> None:
         from dspark.llm import resolve_model_path
-        from dspark.models.loader import load_decoder
+        from dspark.models.loader import load_decoder, resolve_dtype
 
         self.model_path = resolve_model_path(self.cfg.model)
         self.target_cfg = json.loads((self.model_path / "config.json").read_text())
-        self.decoder = load_decoder(self.model_path, device=str(self.device))
+        dtype = resolve_dtype(self.cfg.target_dtype, str(self.device))
+        self.decoder = load_decoder(self.model_path, dtype=dtype, device=str(self.device), pack=True)
 
     def _draft_config(self) -> DrafterConfig:
         c = self.cfg
@@ -165,7 +166,11 @@ class Trainer:
 
         c, dcfg = self.cfg, self.dcfg
         d2t, self.vocab_info = None, {}
-        if dcfg.draft_vocab_size is not None:
+        init = self._init_tensors()
+        if init is not None and "d2t" in init:
+            d2t = init["d2t"].long()
+            self.vocab_info = {"draft_vocab_size": dcfg.draft_vocab_size, "from": c.init_from}
+        elif dcfg.draft_vocab_size is not None:
             counts = token_counts(((self._raw[i][0], torch.arange(len(self._raw[i][0])) >= self._raw[i][1])
                                    for i in self.train_idx), dcfg.vocab_size)
             eos = self.target_cfg.get("eos_token_id", [])
@@ -176,6 +181,9 @@ class Trainer:
         dec = self.decoder
         self.model = DSparkDrafter(dcfg, dec.embed_tokens.weight, dec.lm_head.weight, d2t=d2t,
                                    dtype=torch.float32).to(self.device)
+        if init is not None:
+            self.model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init.items()},
+                                       strict=True)
         self.ddp = self.model
         if self.world > 1:
             self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
@@ -186,6 +194,24 @@ class Trainer:
         self.total_steps = c.steps or max(1, int(math.ceil(c.epochs * self.steps_per_epoch)))
         self.weights = position_weights(dcfg.block_size, c.decay, self.device)
         self.step = 0
+
+    def _init_tensors(self) -> dict[str, torch.Tensor] | None:
+        """--init-from: the checkpoint's tensors, after checking its config matches this run's."""
+        if not self.cfg.init_from:
+            return None
+        from safetensors.torch import load_file
+
+        from dspark.drafters.io import CONFIG, WEIGHTS, parse_config
+
+        src = Path(self.cfg.init_from)
+        if not (src / CONFIG).is_file():
+            raise FileNotFoundError(f"--init-from {src}: not a drafter directory (no {CONFIG})")
+        theirs, _ = parse_config(json.loads((src / CONFIG).read_text()), src)
+        if theirs != self.dcfg:
+            diff = {k: (v, getattr(self.dcfg, k)) for k, v in theirs.to_dict().items()
+                    if v != self.dcfg.to_dict()[k]}
+            raise ValueError(f"--init-from {src}: drafter config differs from this run's (theirs, ours): {diff}")
+        return load_file(str(src / WEIGHTS))
 
     # -- schedule / data order
     def lr_at(self, step: int) -> float:
@@ -357,7 +383,7 @@ class Trainer:
                 "losses": "0.1 CE + 0.9 TV + 1.0 BCE(conf, 1 - 0.5|p_d - p_t|_1), w_k = exp(-(k-1)/decay)",
                 "train_sequences": len(self.train_idx), "train_response_tokens": self.train_tokens,
                 "val_sequences": len(self.val_idx), "sources": self.sources,
-                "data_recipe": data.get("recipe", {}), "vocab": self.vocab_info,
+                "data_recipe": data.get("recipe", {}), "vocab": self.vocab_info, "init_from": self.cfg.init_from,
                 "val": val, **self.cfg.recipe}
 
     def export(self, directory: str, val: dict) -> None:

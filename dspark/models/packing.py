@@ -1,0 +1,68 @@
+"""bf16 linear layers with weights pre-packed for oneDNN (AMX / AVX-512-bf16 CPUs).
+
+Why: on this kind of CPU, a bf16 matmul through `F.linear` re-packs the weight on every call, so
+a 1-row decode is no faster than fp32 and every extra row costs little only in principle. With the
+weight packed once, the cost of a forward is almost flat from 1 to 16 rows, which is what makes
+verifying a block of drafts nearly as cheap as decoding one token. The packed kernel gives every
+row the same result whatever the number of rows (checked in tests/test_packing.py), so
+speculative and plain decoding stay token-identical.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def packing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """True where packed bf16 linears run natively: a CPU with oneDNN bf16 support."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear(nn.Module):
+    """Inference-only stand-in for an `nn.Linear` whose weight lives in oneDNN's packed layout.
+
+    `weight` keeps the original tensor only when `keep_weight` (other modules read it, e.g. a tied
+    LM head the drafter shares); otherwise the plain copy is dropped to save memory.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False):
+        super().__init__()
+        w = weight.detach()
+        self.out_features, self.in_features = w.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        self.bias = None if bias is None else bias.detach()
+        self.weight = w if keep_weight else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, keep_weight: bool = False) -> "PackedLinear":
+        return cls(linear.weight, linear.bias, keep_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            return x.new_empty(*lead, self.out_features)
+        y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=bf16"
+
+
+def pack_linears(module: nn.Module, keep: tuple[str, ...] | bool = ()) -> int:
+    """Swap every `nn.Linear` under `module` for a PackedLinear; attribute names in `keep` (e.g.
+    "lm_head"), or all when `keep` is True, keep their plain weight readable. Returns the count."""
+    count = 0
+    for child in list(module.modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, nn.Linear):
+                setattr(child, attr, PackedLinear.from_linear(sub, keep_weight=keep is True or attr in keep))
+                count += 1
+    return count
