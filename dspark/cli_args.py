@@ -28,6 +28,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="SGLang's name: must equal block size + 1 (anchor + drafts)")
     g.add_argument("--speculative-dspark-planner", dest="planner", default="throughput", choices=PLANNERS)
     g.add_argument("--speculative-dspark-threshold", dest="threshold", type=float, default=0.5)
+    g.add_argument("--speculative-dspark-no-skip-drafting", dest="skip_drafting", action="store_false",
+                   help="throughput planner: draft every round, even where drafting cannot pay")
     g.add_argument("--speculative-dspark-sps-table-path", dest="sps_table", default=None)
     g.add_argument("--speculative-dspark-confidence-sts-path", dest="sts_path", default=None)
     g.add_argument("--ragged-verify-mode", dest="verify_mode", default=None, choices=VERIFY_MODES,
@@ -48,4 +50,4 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
         raise ValueError(f"SGLANG_RAGGED_VERIFY_MODE must be one of {', '.join(VERIFY_MODES)}, got {mode!r}")
     return dict(speculative_algorithm=args.speculative_algorithm, draft_model=args.draft_model,
                 num_draft_tokens=block, planner=args.planner, threshold=args.threshold, sps_table=args.sps_table,
-                sts_path=args.sts_path, verify_mode=mode)
+                sts_path=args.sts_path, verify_mode=mode, skip_drafting=args.skip_drafting)

@@ -39,6 +39,10 @@ def test_packed_linear_matches_and_is_row_invariant(shape):
     torch.testing.assert_close(full, F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
     for rows in (1, 2, 3, 7, 8, 9, 15):  # every verify-window width the engine uses
         assert torch.equal(packed(x[:rows]), full[:rows]), rows
+    big = torch.randn(300, shape[1], dtype=torch.bfloat16)
+    chunked = PackedLinear.from_linear(lin, row_chunk=32)  # what pack_linears does for an LM head
+    rows = chunked(big)
+    assert all(torch.equal(chunked(big[:m]), rows[:m]) for m in (1, 33, 64, 100, 256))
     assert packed(x[:0]).shape == (0, shape[0])
     assert packed(x.view(4, 4, -1)).shape == (4, 4, shape[0])
 
@@ -79,3 +83,39 @@ def test_packed_bf16_decoder_is_window_invariant(tiny_llama_dir):
     assert torch.equal(_logits(plain, ids, [12, 1, 5, 2]), _logits(packed, ids, [12, 1, 5, 2]))
     for chunks in ([12, 1, 5, 2], [12, 8], [12, 3, 3, 2]):
         assert torch.equal(_logits(packed, ids, chunks), one_by_one), chunks
+
+
+def _batched_logits(dec, streams, plan):
+    """Feed several sequences together: plan is a list of steps, each {seq index: new tokens}.
+    Returns each sequence's logits for every position after its first step, in order."""
+    cache = dec.new_cache(64)
+    starts, got = [0] * len(streams), [[] for _ in streams]
+    with torch.inference_mode():
+        for step_no, step in enumerate(plan):
+            names = sorted(step)
+            for i in names:
+                cache.reserve(i, starts[i] + step[i])
+            meta = cache.prepare(names, [step[i] for i in names])
+            ids = torch.cat([streams[i][starts[i]:starts[i] + step[i]] for i in names])
+            pos = torch.cat([torch.arange(starts[i], starts[i] + step[i]) for i in names])
+            out = dec(ids, pos, cache, meta, logits_rows=torch.arange(len(ids)))
+            rows = out.logits.split([step[i] for i in names])
+            for i, r in zip(names, rows):
+                if starts[i] > 0:
+                    got[i].append(r)
+                starts[i] += step[i]
+    return [torch.cat(g) if g else torch.empty(0) for g in got]
+
+
+@needs_packing
+def test_embedded_bf16_rows_do_not_depend_on_window_or_batch(embedded_dir):
+    """The embedded model in bf16: a position's logits are bit-identical decoded alone, inside verify
+    windows of any width, or next to other sequences with other windows (the invariant attention)."""
+    dec = load_decoder(embedded_dir, dtype=torch.bfloat16, pack=True)
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randint(1000, (90,), generator=gen), torch.randint(1000, (70,), generator=gen)
+    alone_a = _batched_logits(dec, [a], [{0: 60}] + [{0: 1}] * 30)[0]
+    alone_b = _batched_logits(dec, [b], [{0: 45}] + [{0: 1}] * 25)[0]
+    mixed = _batched_logits(dec, [a, b], [{0: 60}, {0: 8, 1: 45}, {0: 3, 1: 7}, {0: 1, 1: 1}, {0: 5, 1: 8},
+                                          {0: 13, 1: 2}, {1: 7}])
+    assert torch.equal(mixed[0], alone_a) and torch.equal(mixed[1], alone_b)

@@ -31,7 +31,10 @@ class KVCache:
     """Per-layer K/V pools of shape [num_blocks * block_size, kv_heads, head_dim]."""
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 kv_align: int = 1):
+        """kv_align: pad the key axis of every batch to a multiple of it (masked keys); the
+        window-invariant attention (models/attention.py) needs the same padding in every call."""
         if num_blocks < 1:
             raise ValueError("KV cache needs at least one block")
         rows = num_blocks * block_size
@@ -39,6 +42,7 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.kv_align = kv_align
         self.device = torch.device(device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[Hashable, list[int]] = {}
@@ -103,7 +107,7 @@ class KVCache:
         bs = self.block_size
         starts = [self._lengths[s] for s in seqs]
         totals = [st + q for st, q in zip(starts, query_lens)]
-        max_s, max_q = max(totals), max(query_lens)
+        max_s, max_q = -(-max(totals) // self.kv_align) * self.kv_align, max(query_lens)
         rows = torch.zeros(len(seqs), max_s, dtype=torch.long)
         for i, s in enumerate(seqs):
             table = torch.tensor(self._tables[s], dtype=torch.long)

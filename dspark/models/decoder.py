@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.cache import AttentionMetadata, KVCache
+from dspark.models.attention import KV_ALIGN, invariant_attention, sdpa_attention
 from dspark.models.config import ModelConfig
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
 
@@ -56,7 +57,8 @@ class Attention(nn.Module):
         else:
             qp = q.new_zeros(b * meta.max_q, self.h, self.hd).index_copy_(0, meta.q_index, q)
             qp = qp.view(b, meta.max_q, self.h, self.hd).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=meta.mask, enable_gqa=self.h != self.hkv).to(dt)
+        attend = invariant_attention if k_pool.dtype != dt else sdpa_attention
+        out = attend(qp, keys, vals, meta.mask).to(dt)
         out = out.transpose(1, 2).reshape(b * meta.max_q, self.h * self.hd)  # [B*Q, H*hd]
         if meta.q_index is not None:
             out = out.index_select(0, meta.q_index)
@@ -112,7 +114,8 @@ class Decoder(nn.Module):
     def new_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
         c = self.config
         return KVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                       num_blocks=num_blocks, block_size=block_size, dtype=self.kv_dtype, device=self.device)
+                       num_blocks=num_blocks, block_size=block_size, dtype=self.kv_dtype, device=self.device,
+                       kv_align=KV_ALIGN if self.kv_dtype != self.dtype else 1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, *, logits_rows: torch.Tensor | None = None,

@@ -32,8 +32,11 @@ class PackedLinear(nn.Module):
     LM head the drafter shares); otherwise the plain copy is dropped to save memory.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False,
+                 row_chunk: int | None = None):
+        """row_chunk: run at most this many rows per kernel call (see pack_linears)."""
         super().__init__()
+        self.row_chunk = row_chunk
         w = weight.detach()
         self.out_features, self.in_features = w.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
@@ -41,19 +44,32 @@ class PackedLinear(nn.Module):
         self.weight = w if keep_weight else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, keep_weight: bool = False) -> "PackedLinear":
-        return cls(linear.weight, linear.bias, keep_weight)
+    def from_linear(cls, linear: nn.Linear, keep_weight: bool = False, row_chunk: int | None = None) -> "PackedLinear":
+        return cls(linear.weight, linear.bias, keep_weight, row_chunk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
-        y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
+        rows = rows.contiguous()
+        if self.row_chunk is not None and rows.shape[0] > self.row_chunk:
+            y = torch.cat([self._mm(c) for c in rows.split(self.row_chunk)])
+        else:
+            y = self._mm(rows)
         return y.view(*lead, self.out_features)
+
+    def _mm(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=bf16"
+
+
+# Above 32 rows oneDNN switches kernels for some shapes (an LM head, a square o_proj), and a row's
+# result then changes by an ulp; at most 32 rows per call keeps every row's result the same at any
+# batch size (tests/test_packing.py).
+ROW_CHUNK = 32
 
 
 def pack_linears(module: nn.Module, keep: tuple[str, ...] | bool = ()) -> int:
@@ -63,6 +79,7 @@ def pack_linears(module: nn.Module, keep: tuple[str, ...] | bool = ()) -> int:
     for child in list(module.modules()):
         for attr, sub in list(child.named_children()):
             if isinstance(sub, nn.Linear):
-                setattr(child, attr, PackedLinear.from_linear(sub, keep_weight=keep is True or attr in keep))
+                setattr(child, attr, PackedLinear.from_linear(sub, keep_weight=keep is True or attr in keep,
+                                                              row_chunk=ROW_CHUNK))
                 count += 1
     return count

@@ -1,0 +1,37 @@
+"""Attention over the paged cache, and a window-invariant variant for bf16 models on a CPU.
+
+`F.scaled_dot_product_attention` is exact enough in fp32, but its result for one query row depends
+slightly (1e-7) on how many other rows and keys share the call. Under bf16 weights the next layer
+rounds that to bf16, so a position verified inside a draft window would sometimes differ by an ulp
+from the same position decoded alone, and greedy speculative output would drift from plain decoding.
+`invariant_attention` computes every row with the same reductions whatever the window: fp32 matmuls
+whose reduction axes (head_dim, then the key axis padded to a fixed multiple by the cache) do not
+change with the number of query rows, a masked softmax over that padded axis, masked keys contributing
+exact zeros. tests/test_packing.py checks the bit-identity on the embedded model.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+KV_ALIGN = 64  # key-axis padding the invariant path relies on (KVCache.kv_align)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, H, Q, hd], k/v [B, Hkv, S, hd], mask [B, 1, Q, S] bool -> [B, H, Q, hd]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Same contract as sdpa_attention; fp32 inputs, S a multiple of KV_ALIGN."""
+    b, h, nq, hd = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    # one matmul per (sequence, kv head): the g query heads of a group share its keys
+    qg = q.reshape(b, hkv, g * nq, hd)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, nq, -1) * (1.0 / math.sqrt(hd))
+    scores = scores.masked_fill(~mask.view(b, 1, 1, nq, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, hkv, g * nq, -1)
+    return torch.matmul(probs, v).view(b, h, nq, hd)
