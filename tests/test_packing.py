@@ -119,3 +119,20 @@ def test_embedded_bf16_rows_do_not_depend_on_window_or_batch(embedded_dir):
     mixed = _batched_logits(dec, [a, b], [{0: 60}, {0: 8, 1: 45}, {0: 3, 1: 7}, {0: 1, 1: 1}, {0: 5, 1: 8},
                                           {0: 13, 1: 2}, {1: 7}])
     assert torch.equal(mixed[0], alone_a) and torch.equal(mixed[1], alone_b)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_invariant_attention_rows_do_not_depend_on_the_window(heads, kv_heads):
+    """A row's output is bit-identical alone or inside a window (MHA too, where one row would be a GEMV),
+    and equals the reference attention up to fp32 rounding."""
+    from dspark.models.attention import invariant_attention, sdpa_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, 8, 16, generator=gen)
+    k, v = torch.randn(2, 1, kv_heads, 64, 16, generator=gen)
+    mask = torch.ones(1, 1, 8, 64, dtype=torch.bool).tril(40)
+    full = invariant_attention(q, k, v, mask)
+    for row in range(8):
+        alone = invariant_attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1])
+        assert torch.equal(alone, full[:, :, row:row + 1]), row
+    torch.testing.assert_close(full, sdpa_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)

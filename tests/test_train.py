@@ -45,6 +45,8 @@ def test_datagen_resumes_and_skips_finished_shards(tiny_setup):
     assert logs == [] and len(man["shards"]) == 2  # nothing regenerated
     seqs = load_sequences(data)
     assert len(seqs) == 16 and all(len(ids) > plen for ids, plen, _ in seqs)
+    first = load_sequences(data, max_shards=1)  # what `dspark train --max-shards 1` trains on
+    assert len(first) == 8 and all(torch.equal(a[0], b[0]) for a, b in zip(first, seqs))
     recipe = json.loads((data / "manifest.json").read_text())["recipe"]
     assert recipe["temperature"] == 0.0 and recipe["max_tokens"] == 16 and recipe["sources"] == {"synthetic": 16}
     with pytest.raises(ValueError, match="different recipe"):

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.cache import AttentionMetadata, KVCache

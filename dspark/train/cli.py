@@ -53,6 +53,8 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-every-nth", type=int, default=20, help="the trainer's held-out split")
     p.add_argument("--max-anchors", type=int, default=256, help="anchors per held-out sequence")
     p.add_argument("--bins", type=int, default=15)
+    p.add_argument("--max-shards", type=int, default=None, metavar="N",
+                   help="the trainer's --max-shards (the held-out split is taken from the same sequences)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="target dtype, as the engine will run it (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
     p.add_argument("--out", default=None, help="sts.json path (default: DRAFTER/sts.json)")

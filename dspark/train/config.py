@@ -17,6 +17,7 @@ class TrainConfig:
     model: str | None = None  # target dir; None = embedded SmolLM2
     cache_dir: str | None = None  # cached features (see features.cache_features); None = online
     export: str | None = None
+    max_shards: int | None = None  # train on the first N data shards only
     init_from: str | None = None  # a drafter checkpoint of the same config to start from (weights and d2t)
     # drafter
     num_layers: int = 1
@@ -62,6 +63,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--online", action="store_true", help="compute target features per batch, no cache")
     p.add_argument("--features-only", action="store_true", help="fill the feature cache, then exit")
     p.add_argument("--export", default=None, help="save the trained drafter here (config.json + safetensors)")
+    p.add_argument("--max-shards", type=int, default=None, metavar="N", help="use only the first N data shards")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from this drafter checkpoint's weights (and draft vocabulary); same shapes")
     for name in ("num_layers", "block_size", "markov_rank", "batch_size", "anchors", "topk", "seed",

@@ -329,10 +329,16 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def load_sequences(data_dir: str | Path) -> list[tuple[torch.Tensor, int, str]]:
+def shard_paths(data_dir: str | Path, max_shards: int | None = None) -> list[Path]:
+    """The finished shards in index order; only the first `max_shards` when given."""
+    paths = sorted(Path(data_dir).glob("shard_*.pt"))
+    return paths if max_shards is None else paths[:max_shards]
+
+
+def load_sequences(data_dir: str | Path, max_shards: int | None = None) -> list[tuple[torch.Tensor, int, str]]:
     """All (token ids int64 [L], prompt_len, source) of the finished shards, in shard order."""
     out = []
-    for path in sorted(Path(data_dir).glob("shard_*.pt")):
+    for path in shard_paths(data_dir, max_shards):
         s = torch.load(path)
         off = s["offsets"].tolist()
         for j in range(len(off) - 1):

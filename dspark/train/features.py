@@ -9,6 +9,8 @@ from typing import Sequence
 
 import torch
 
+from dspark.train.datagen import shard_paths
+
 FEAT = "feat_{}.pt"  # next to shard_XXXXX.pt: feat_shard_XXXXX.pt
 
 
@@ -59,7 +61,7 @@ def _forward_group(decoder, group: list[torch.Tensor], layers: Sequence[int], to
 
 
 def cache_features(data_dir: str | Path, cache_dir: str | Path, decoder, layers: Sequence[int], topk: int,
-                   log=print) -> None:
+                   log=print, max_shards: int | None = None) -> None:
     """Write feat_shard_XXXXX.pt (bf16 hidden, top-K p_t) for every shard not cached yet (resumable)."""
     data_dir, cache_dir = Path(data_dir), Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -68,7 +70,7 @@ def cache_features(data_dir: str | Path, cache_dir: str | Path, decoder, layers:
     if meta_path.exists() and json.loads(meta_path.read_text()) != info:
         raise ValueError(f"{cache_dir} holds features for {meta_path.read_text().strip()}, not {info}")
     meta_path.write_text(json.dumps(info) + "\n")
-    for shard in sorted(data_dir.glob("shard_*.pt")):
+    for shard in shard_paths(data_dir, max_shards):
         path = cache_dir / FEAT.format(shard.stem)
         if path.exists():
             continue
@@ -88,10 +90,10 @@ def cache_features(data_dir: str | Path, cache_dir: str | Path, decoder, layers:
         log(f"{path.name}: {n} tokens in {dt:.0f} s ({n / dt:.0f} tok/s)")
 
 
-def load_cached(data_dir: str | Path, cache_dir: str | Path) -> list[SeqFeatures]:
+def load_cached(data_dir: str | Path, cache_dir: str | Path, max_shards: int | None = None) -> list[SeqFeatures]:
     """Every cached sequence (shards without features are skipped)."""
     out = []
-    for shard in sorted(Path(data_dir).glob("shard_*.pt")):
+    for shard in shard_paths(data_dir, max_shards):
         fpath = Path(cache_dir) / FEAT.format(shard.stem)
         if not fpath.exists():
             continue

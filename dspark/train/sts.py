@@ -149,7 +149,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     target = load_decoder(resolve_model_path(args.model), dtype=resolve_dtype(args.dtype), pack=True)
     drafter = DSparkDrafter.from_pretrained(args.drafter, target.embed_tokens.weight, target.lm_head.weight).eval()
     layers = list(drafter.config.target_layer_ids)
-    seqs = load_sequences(args.data)
+    seqs = load_sequences(args.data, args.max_shards)
     held = [i for i in range(len(seqs)) if args.val_every_nth and i % args.val_every_nth == 0]
     if not held:
         raise ValueError("no held-out sequences (check --val-every-nth)")
@@ -196,7 +196,9 @@ def _cached_hidden(args: argparse.Namespace, held: list[int], feat_name: str) ->
     out: dict[int, torch.Tensor] = {}
     base = 0
     wanted = set(held)
-    for shard in sorted(Path(args.data).glob("shard_*.pt")):
+    from dspark.train.datagen import shard_paths
+
+    for shard in shard_paths(args.data, args.max_shards):
         n = len(torch.load(shard)["prompt_lens"])
         f = Path(args.cache_dir) / feat_name.format(shard.stem)
         if any(base + j in wanted for j in range(n)):

@@ -138,15 +138,15 @@ class Trainer:
         c = self.cfg
         self.dcfg = self._draft_config()
         layers = list(self.dcfg.target_layer_ids)
-        raw = load_sequences(c.data)
+        raw = load_sequences(c.data, c.max_shards)
         if not raw:
             raise ValueError(f"no shard_*.pt in {c.data}: run `dspark train-data` first")
         if c.cache_dir:
             if self.rank == 0:
                 cache_features(c.data, c.cache_dir, self.decoder, layers, c.topk,
-                               log=lambda m: print(f"[features] {m}", flush=True))
+                               log=lambda m: print(f"[features] {m}", flush=True), max_shards=c.max_shards)
             _barrier(self.world)
-            items = load_cached(c.data, c.cache_dir)
+            items = load_cached(c.data, c.cache_dir, c.max_shards)
             store: Any = CachedFeatures(items)
         else:
             store = OnlineFeatures(self.decoder, [(ids, plen) for ids, plen, _ in raw], layers, c.topk)
