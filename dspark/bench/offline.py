@@ -66,11 +66,13 @@ def kv_cache_mb(setup: Setup, longest: int, max_tokens: int, concurrency: int) -
     """A KV pool big enough for `concurrency` of the longest request (plus draft room), in MiB."""
     from dspark.llm import resolve_model_path
     from dspark.models.config import ModelConfig
+    from dspark.cache import KVCache
+    from dspark.models.decoder import kv_cache_dtype
     from dspark.models.loader import resolve_dtype
 
     c = ModelConfig.from_pretrained(resolve_model_path(setup.model))
-    itemsize = 4 if setup.device == "cpu" else resolve_dtype(setup.dtype, setup.device).itemsize  # Decoder.kv_dtype
-    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
+    kv_dtype = kv_cache_dtype(resolve_dtype(setup.dtype, setup.device), setup.device)
+    per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
     tokens = concurrency * (longest + max_tokens + 80)
     return max(8, int(tokens * per_token * 1.25) // 2**20 + 1)
 

@@ -34,6 +34,6 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     # one matmul per (sequence, kv head): the g query heads of a group share its keys
     qg = q.reshape(b, hkv, g * nq, hd)
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, nq, -1) * (1.0 / math.sqrt(hd))
-    scores = scores.masked_fill(~mask.view(b, 1, 1, nq, -1), float("-inf"))
+    scores = torch.where(mask.view(b, 1, 1, nq, -1), scores, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, hkv, g * nq, -1)
     return torch.matmul(probs, v).view(b, h, nq, hd)

@@ -21,6 +21,14 @@ class DecoderOutput:
     hidden: torch.Tensor | None  # [T, m * d] outputs of the requested layers, concatenated
 
 
+def kv_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The KV cache dtype: the model's, except fp32 under half-precision weights on a CPU. There the
+    attention kernel's bf16 rounding depends on how many queries and keys share a call, so a row of
+    a verify window would not match the same row decoded alone; in fp32 it does, which keeps
+    speculative decoding token-identical to plain decoding (tests/test_packing.py)."""
+    return torch.float32 if torch.device(device).type == "cpu" else dtype
+
+
 class Attention(nn.Module):
     """Grouped-query attention with fused qkv, optional q/k RMSNorm (Qwen3) and qkv bias (Qwen2)."""
 
@@ -104,11 +112,7 @@ class Decoder(nn.Module):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache dtype: the model's, except fp32 under half-precision weights on a CPU. There the
-        attention kernel's bf16 rounding depends on how many queries and keys share a call, so a row of
-        a verify window would not match the same row decoded alone; in fp32 it does, which keeps
-        speculative decoding token-identical to plain decoding (tests/test_packing.py)."""
-        return torch.float32 if self.device.type == "cpu" else self.dtype
+        return kv_cache_dtype(self.dtype, self.device)
 
     def new_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
         c = self.config
