@@ -1,7 +1,8 @@
 """Decode speed on the embedded model, batch 1, greedy, one prompt, one thread count, side by side:
-dspark's engine (fp32, and bf16 with packed weights: the "auto" dtype on AMX / AVX-512-bf16 CPUs) vs
-transformers' generate() in fp32 (its fastest CPU setting), plus the memory roofline per dtype
-(weight bytes / measured read bandwidth).
+dspark's engine in fp32, in bf16 with packed weights, and in bf16 with the model's own 4-bit weights
+(the GGUF's Q4_1 groups through PyTorch's int4 kernel: what dtype/quantization "auto" picks on AMX /
+AVX-512-bf16 CPUs) vs transformers' generate() in fp32 (its fastest CPU setting), plus the memory
+roofline per format (weight bytes / measured read bandwidth).
 
     .venv/bin/python bench/decode_speed.py [--tokens 128] [--repeats 3] [--json out.json]
 """
@@ -45,7 +46,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    engines = {"float32": LLM(dtype="float32"), "bfloat16": LLM(dtype="bfloat16")}
+    engines = {"float32": LLM(dtype="float32", quantization="none"),
+               "bfloat16": LLM(dtype="bfloat16", quantization="none"),
+               "bfloat16_int4": LLM(dtype="bfloat16", quantization="int4")}
     path = engines["float32"].model_path
     tok = AutoTokenizer.from_pretrained(str(path))
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

@@ -58,7 +58,8 @@ def generate(args) -> int:
     from dspark import LLM
 
     params = _sampling(args)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, **speculative_kwargs(args))
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+              **speculative_kwargs(args))
     prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     start = time.perf_counter()
     shown, out = "", None
@@ -90,7 +91,8 @@ def profile(args) -> int:
     from dspark.spec.profile import default_sizes, profile_sps
 
     path = resolve_model_path(args.model)
-    decoder = load_decoder(path, dtype=resolve_dtype(args.dtype, args.device), device=args.device, pack=True)
+    decoder = load_decoder(path, dtype=resolve_dtype(args.dtype, args.device), device=args.device, pack=True,
+                           quantization=args.quantization)
     table = profile_sps(decoder, default_sizes(args.max_tokens), repeats=args.repeats, name=path.name)
     if args.out:
         table.save(args.out)
@@ -108,7 +110,7 @@ def demo(args) -> int:
     spec = speculative_kwargs(args)
     runs = []
     for label, kw in (("plain decoding", {}), (spec["speculative_algorithm"], spec)):
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, **kw)
+        llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device, **kw)
         conv = [{"role": "user", "content": args.prompt}]
         llm.chat(conv, SamplingParams(max_tokens=8))  # warm-up
         t = time.perf_counter()

@@ -33,6 +33,7 @@ class LLM:
     """Load a target model and generate with continuous batching."""
 
     def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "cpu",
+                 quantization: str = "auto",
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, kv_cache_mb: int = 1024,
                  max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  speculative_algorithm: str | None = None, draft_model: str | Path | None = None,
@@ -51,7 +52,8 @@ class LLM:
             throughput_variant=throughput_variant, skip_drafting=skip_drafting, sps_table=None if sps_table is None else str(sps_table),
             sts_path=None if sts_path is None else str(sts_path), verify_mode=verify_mode)
         self.model_path = resolve_model_path(model)
-        self.decoder = load_decoder(self.model_path, dtype=torch_dtype, device=device, pack=True)
+        self.decoder = load_decoder(self.model_path, dtype=torch_dtype, device=device, pack=True,
+                                    quantization=quantization)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         c = self.decoder.config
         per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.decoder.kv_dtype)

@@ -10,6 +10,7 @@ from torch import nn
 
 from dspark.models.loader import load_decoder, resolve_dtype
 from dspark.models.packing import PackedLinear, pack_linears, packing_supported
+from invariance import batched_logits, logits_by_chunks
 
 needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16, "cpu"),
                                    reason="this CPU has no oneDNN bf16 support")
@@ -56,20 +57,6 @@ def test_pack_linears_keeps_requested_weights():
     assert m[0].weight is None and m.lm_head.weight is not None
 
 
-def _logits(dec, ids, chunks):
-    """Logits of every position after the first chunk, fed in the given chunk sizes."""
-    cache, got, start = dec.new_cache(4), [], 0
-    with torch.inference_mode():
-        for n in chunks:
-            cache.reserve("s", start + n)
-            meta = cache.prepare(["s"], [n])
-            out = dec(ids[start:start + n], torch.arange(start, start + n), cache, meta,
-                      logits_rows=torch.arange(n))
-            got.append(out.logits)
-            start += n
-    return torch.cat(got[1:])
-
-
 @needs_packing
 def test_packed_bf16_decoder_is_window_invariant(tiny_llama_dir):
     """Packed equals unpacked, and a position's logits do not depend on the window it was computed
@@ -79,32 +66,10 @@ def test_packed_bf16_decoder_is_window_invariant(tiny_llama_dir):
     assert any(isinstance(m, PackedLinear) for m in packed.modules())
     assert packed.kv_dtype is torch.float32
     ids = torch.randint(1000, (20,), generator=torch.Generator().manual_seed(1))
-    one_by_one = _logits(packed, ids, [12] + [1] * 8)
-    assert torch.equal(_logits(plain, ids, [12, 1, 5, 2]), _logits(packed, ids, [12, 1, 5, 2]))
+    one_by_one = logits_by_chunks(packed, ids, [12] + [1] * 8)
+    assert torch.equal(logits_by_chunks(plain, ids, [12, 1, 5, 2]), logits_by_chunks(packed, ids, [12, 1, 5, 2]))
     for chunks in ([12, 1, 5, 2], [12, 8], [12, 3, 3, 2]):
-        assert torch.equal(_logits(packed, ids, chunks), one_by_one), chunks
-
-
-def _batched_logits(dec, streams, plan):
-    """Feed several sequences together: plan is a list of steps, each {seq index: new tokens}.
-    Returns each sequence's logits for every position after its first step, in order."""
-    cache = dec.new_cache(64)
-    starts, got = [0] * len(streams), [[] for _ in streams]
-    with torch.inference_mode():
-        for step_no, step in enumerate(plan):
-            names = sorted(step)
-            for i in names:
-                cache.reserve(i, starts[i] + step[i])
-            meta = cache.prepare(names, [step[i] for i in names])
-            ids = torch.cat([streams[i][starts[i]:starts[i] + step[i]] for i in names])
-            pos = torch.cat([torch.arange(starts[i], starts[i] + step[i]) for i in names])
-            out = dec(ids, pos, cache, meta, logits_rows=torch.arange(len(ids)))
-            rows = out.logits.split([step[i] for i in names])
-            for i, r in zip(names, rows):
-                if starts[i] > 0:
-                    got[i].append(r)
-                starts[i] += step[i]
-    return [torch.cat(g) if g else torch.empty(0) for g in got]
+        assert torch.equal(logits_by_chunks(packed, ids, chunks), one_by_one), chunks
 
 
 @needs_packing
@@ -114,9 +79,9 @@ def test_embedded_bf16_rows_do_not_depend_on_window_or_batch(embedded_dir):
     dec = load_decoder(embedded_dir, dtype=torch.bfloat16, pack=True)
     gen = torch.Generator().manual_seed(3)
     a, b = torch.randint(1000, (90,), generator=gen), torch.randint(1000, (70,), generator=gen)
-    alone_a = _batched_logits(dec, [a], [{0: 60}] + [{0: 1}] * 30)[0]
-    alone_b = _batched_logits(dec, [b], [{0: 45}] + [{0: 1}] * 25)[0]
-    mixed = _batched_logits(dec, [a, b], [{0: 60}, {0: 8, 1: 45}, {0: 3, 1: 7}, {0: 1, 1: 1}, {0: 5, 1: 8},
+    alone_a = batched_logits(dec, [a], [{0: 60}] + [{0: 1}] * 30)[0]
+    alone_b = batched_logits(dec, [b], [{0: 45}] + [{0: 1}] * 25)[0]
+    mixed = batched_logits(dec, [a, b], [{0: 60}, {0: 8, 1: 45}, {0: 3, 1: 7}, {0: 1, 1: 1}, {0: 5, 1: 8},
                                           {0: 13, 1: 2}, {1: 7}])
     assert torch.equal(mixed[0], alone_a) and torch.equal(mixed[1], alone_b)
 

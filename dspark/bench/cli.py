@@ -148,7 +148,8 @@ def offline(args) -> int:
                         temperatures=args.temperature, block_sizes=args.block_size or [None],
                         concurrency=args.concurrency, repeats=_pick(args.repeats, args.quick, "repeats", 3),
                         seed=args.seed, raw=args.raw, ignore_eos=args.ignore_eos, progress=not args.no_progress)
-    setup = Setup(model=args.model, dtype=args.dtype, device=args.device, dspark_draft=args.dspark_draft_model,
+    setup = Setup(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+                  dspark_draft=args.dspark_draft_model,
                   dflash_draft=args.dflash_draft_model, sps_table=args.sps_table, sts_path=args.sts_path,
                   threshold=args.threshold, verify_mode=args.verify_mode, gguf=args.gguf)
     result = run_offline(datasets, cfg, setup)
@@ -210,7 +211,8 @@ def race(args) -> int:
         raise ValueError("give prompts with --dataset PATH or --prompt TEXT")
     spec = speculative_kwargs(args)
     label = spec["speculative_algorithm"].lower() + (f"-{spec['planner']}" if spec["speculative_algorithm"] == "DSPARK" else "")
-    setup = Setup(model=args.model, dtype=args.dtype, device=args.device, kv_cache_mb=256)
+    setup = Setup(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+                  kv_cache_mb=256)
     with shared_target():
         plain = EngineMethod("ar", setup)
         method = EngineMethod(label, setup, **spec)
@@ -226,7 +228,8 @@ def race(args) -> int:
 def roofline(args) -> int:
     from dspark.bench.roofline import run_roofline
 
-    result = run_roofline(args.model, dtype=args.dtype, device=args.device, sps_table=args.sps_table,
+    result = run_roofline(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+                          sps_table=args.sps_table,
                           max_tokens=16 if args.quick else args.max_tokens, repeats=2 if args.quick else args.repeats,
                           bandwidth_mb=128 if args.quick else 256, save_sps=args.save_sps, context=args.context,
                           progress=not args.no_progress)

@@ -77,6 +77,7 @@ class Setup:
 
     model: str | None = None
     dtype: str = "auto"
+    quantization: str = "auto"
     device: str = "cpu"
     dspark_draft: str | None = None
     dflash_draft: str | None = None
@@ -107,7 +108,8 @@ class EngineMethod:
             kw.setdefault("verify_mode", setup.verify_mode)
         from dspark import LLM
 
-        self.llm = LLM(setup.model, dtype=setup.dtype, device=setup.device, max_num_seqs=setup.max_num_seqs,
+        self.llm = LLM(setup.model, dtype=setup.dtype, quantization=setup.quantization, device=setup.device,
+                       max_num_seqs=setup.max_num_seqs,
                        kv_cache_mb=setup.kv_cache_mb, profile_progress=False, **kw)
         self.tokenizer = self.llm.tokenizer
         self.recorder = RoundRecorder(self.llm.engine)

@@ -31,6 +31,7 @@ def read_bandwidth_gbs(mb: int = 256, repeats: int = 5, device: str = "cpu") -> 
 def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every linear (packed copies included, a tied LM head
     once) and norm, but not embedding tables, of which a step reads one row per token."""
+    from dspark.models.int4 import Int4Linear
     from dspark.models.packing import PackedLinear
 
     seen: set[int] = set()
@@ -38,7 +39,12 @@ def weight_bytes(module: torch.nn.Module) -> int:
     for m in module.modules():
         if isinstance(m, torch.nn.Embedding):
             continue
-        tensors = [m.packed, m.bias] if isinstance(m, PackedLinear) else list(m.parameters(recurse=False))
+        if isinstance(m, Int4Linear):
+            tensors = [m.packed, m.scale_zero, m.bias]
+        elif isinstance(m, PackedLinear):
+            tensors = [m.packed, m.bias]
+        else:
+            tensors = list(m.parameters(recurse=False))
         for t in tensors:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
@@ -51,7 +57,7 @@ def ceiling_tokens_per_s(bandwidth_gbs: float, nbytes: int) -> float:
     return bandwidth_gbs * 1e9 / nbytes
 
 
-def run_roofline(model: str | None = None, *, dtype: str = "auto", device: str = "cpu",
+def run_roofline(model: str | None = None, *, dtype: str = "auto", quantization: str = "auto", device: str = "cpu",
                  sps_table: str | None = None, max_tokens: int = 64, repeats: int = 5,
                  bandwidth_mb: int = 256, context: int = 128, save_sps: str | None = None,
                  progress: bool = True) -> dict:
@@ -62,7 +68,8 @@ def run_roofline(model: str | None = None, *, dtype: str = "auto", device: str =
     from dspark.spec.profile import default_sizes, profile_sps
 
     path = resolve_model_path(model)
-    decoder = load_decoder(path, dtype=resolve_dtype(dtype, device), device=device, pack=True)
+    decoder = load_decoder(path, dtype=resolve_dtype(dtype, device), device=device, pack=True,
+                           quantization=quantization)
     nbytes = weight_bytes(decoder)
     bw = read_bandwidth_gbs(bandwidth_mb, device=device)
     if sps_table:
@@ -73,7 +80,7 @@ def run_roofline(model: str | None = None, *, dtype: str = "auto", device: str =
         source = "measured"
     if save_sps:
         table.save(save_sps)
-    return {"model": path.name, "dtype": dtype, "device": device, "threads": torch.get_num_threads(),
+    return {"model": path.name, "dtype": dtype, "quantization": decoder.quantization, "device": device, "threads": torch.get_num_threads(),
             "bandwidth_gb_s": bw, "weight_bytes": nbytes, "ceiling_tokens_per_s": ceiling_tokens_per_s(bw, nbytes),
             "sps": {str(k): v for k, v in table.points.items()}, "sps_source": source}
 

@@ -28,7 +28,9 @@ class AttentionMetadata:
 
 
 class KVCache:
-    """Per-layer K/V pools of shape [num_blocks * block_size, kv_heads, head_dim]."""
+    """Per-layer pools of keys and values side by side: kv[layer] is [num_blocks * block_size,
+    2 * kv_heads, head_dim], keys in the first kv_heads, values in the rest (so a layer writes and
+    gathers both with one call); `k` and `v` are views of the two halves."""
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -38,8 +40,8 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError("KV cache needs at least one block")
         rows = num_blocks * block_size
-        self.k = torch.zeros(num_layers, rows, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.kv = torch.zeros(num_layers, rows, 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.k, self.v = self.kv[:, :, :num_kv_heads], self.kv[:, :, num_kv_heads:]
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_align = kv_align

@@ -11,8 +11,6 @@ exact zeros. tests/test_packing.py checks the bit-identity on the embedded model
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -20,8 +18,8 @@ KV_ALIGN = 64  # key-axis padding the invariant path relies on (KVCache.kv_align
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, H, Q, hd], k/v [B, Hkv, S, hd], mask [B, 1, Q, S] bool -> [B, H, Q, hd]."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    """q [B, H, Q, hd] already scaled by 1/sqrt(hd), k/v [B, Hkv, S, hd], mask [B, 1, Q, S] bool -> [B, H, Q, hd]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -33,7 +31,7 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         return invariant_attention(q.expand(b, h, 2, hd), k, v, mask.expand(b, 1, 2, -1))[:, :, :1]
     # one matmul per (sequence, kv head): the g query heads of a group share its keys
     qg = q.reshape(b, hkv, g * nq, hd)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, nq, -1) * (1.0 / math.sqrt(hd))
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, nq, -1)
     scores = torch.where(mask.view(b, 1, 1, nq, -1), scores, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, hkv, g * nq, -1)
     return torch.matmul(probs, v).view(b, h, nq, hd)

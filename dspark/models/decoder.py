@@ -40,36 +40,33 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-                v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.h + 2 * self.hkv, self.hd)
-        if self.q_norm is None:  # one RoPE call for q and k together
-            qk = apply_rotary(qkv[:, : self.h + self.hkv], cos, sin)
-            q, k = qk[:, : self.h], qk[:, self.h:]
-        else:
-            q = apply_rotary(self.q_norm(qkv[:, : self.h]), cos, sin)
-            k = apply_rotary(self.k_norm(qkv[:, self.h : self.h + self.hkv]), cos, sin)
-        v = qkv[:, self.h + self.hkv:]
-        dt = q.dtype
-        if k_pool.dtype != dt:  # fp32 cache under bf16 weights on CPU: see Decoder.kv_dtype
-            q, k, v = q.to(k_pool.dtype), k.to(k_pool.dtype), v.to(k_pool.dtype)
-        k_pool.index_copy_(0, meta.slot_mapping, k)
-        v_pool.index_copy_(0, meta.slot_mapping, v)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_pool: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """cos, sin: per-head RoPE tables from Decoder.rope_tables ([T, H + 2 Hkv, hd])."""
+        t, dt, h, hkv = x.shape[0], x.dtype, self.h, self.hkv
+        qkv = self.qkv_proj.forward(x).view(t, h + 2 * hkv, self.hd)
+        if kv_pool.dtype != dt:  # fp32 cache under bf16 weights on CPU (see kv_cache_dtype): one cast, RoPE in fp32
+            qkv = qkv.to(kv_pool.dtype)
+        if self.q_norm is not None:
+            qkv = torch.cat([self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + hkv]), qkv[:, h + hkv:]], dim=1)
+        # one call rotates q (and scales it by 1/sqrt(hd)) and k; v passes through (cos 1, sin 0)
+        qkv = apply_rotary(qkv, cos, sin)
+        q = qkv[:, :h]
+        kv_pool.index_copy_(0, meta.slot_mapping, qkv[:, h:])  # keys and values in one write
         b, s = meta.kv_index.shape
-        keys = k_pool.index_select(0, meta.kv_index.view(-1)).view(b, s, self.hkv, self.hd).transpose(1, 2)
-        vals = v_pool.index_select(0, meta.kv_index.view(-1)).view(b, s, self.hkv, self.hd).transpose(1, 2)
+        kvs = kv_pool.index_select(0, meta.kv_index.view(-1)).view(b, s, 2 * hkv, self.hd).transpose(1, 2)
+        keys, vals = kvs[:, :hkv], kvs[:, hkv:]
         if meta.q_index is None:  # one sequence: no padding
             qp = q.reshape(1, t, self.h, self.hd).transpose(1, 2)
         else:
             qp = q.new_zeros(b * meta.max_q, self.h, self.hd).index_copy_(0, meta.q_index, q)
             qp = qp.view(b, meta.max_q, self.h, self.hd).transpose(1, 2)
-        attend = invariant_attention if k_pool.dtype != dt else sdpa_attention
+        attend = invariant_attention if kv_pool.dtype != dt else sdpa_attention
         out = attend(qp, keys, vals, meta.mask).to(dt)
         out = out.transpose(1, 2).reshape(b * meta.max_q, self.h * self.hd)  # [B*Q, H*hd]
         if meta.q_index is not None:
             out = out.index_select(0, meta.q_index)
-        return self.o_proj(out)
+        return self.o_proj.forward(out)
 
 
 class DecoderLayer(nn.Module):
@@ -82,9 +79,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, k_pool, v_pool, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_pool, v_pool, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv_pool, meta):
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_pool, meta)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class Decoder(nn.Module):
@@ -101,6 +98,7 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(torch.tensor(cfg.inv_freq), cfg.rope_scale, min(cfg.max_position_embeddings, 4096))
+        self.quantization = "none"  # the weight format the loader chose (models/loader.resolve_quantization)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -111,8 +109,28 @@ class Decoder(nn.Module):
         return self.embed_tokens.weight.device
 
     @property
+    def weight_format(self) -> str:
+        """The dtype, plus the weight quantization where there is one: "bfloat16", "bfloat16/int4"."""
+        name = str(self.dtype).removeprefix("torch.")
+        return name if self.quantization == "none" else f"{name}/{self.quantization}"
+
+    @property
     def kv_dtype(self) -> torch.dtype:
         return kv_cache_dtype(self.dtype, self.device)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin per head for the fused qkv rows [T, H + 2 Hkv, hd], in the cache's dtype
+        (RoPE runs there): q heads carry the attention scale 1/sqrt(hd) (exact for a power-of-two
+        head_dim), k heads plain RoPE, v heads the identity. Built once a forward for all layers."""
+        c = self.config
+        cos, sin = self.rotary.cos_sin(positions, self.kv_dtype)  # [T, 1, hd]
+        t, scale = cos.shape[0], c.head_dim ** -0.5
+        shape = lambda n: (t, n, c.head_dim)  # noqa: E731
+        cos = torch.cat([(cos * scale).expand(shape(c.num_heads)), cos.expand(shape(c.num_kv_heads)),
+                         cos.new_ones(()).expand(shape(c.num_kv_heads))], dim=1)
+        sin = torch.cat([(sin * scale).expand(shape(c.num_heads)), sin.expand(shape(c.num_kv_heads)),
+                         sin.new_zeros(()).expand(shape(c.num_kv_heads))], dim=1)
+        return cos, sin
 
     def new_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
         c = self.config
@@ -125,11 +143,12 @@ class Decoder(nn.Module):
                 hidden_layers: Sequence[int] = ()) -> DecoderOutput:
         """input_ids, positions: [T]; logits_rows: [R] indices into T (None = no logits)."""
         x = self.embed_tokens(input_ids)  # [T, d]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rope_tables(positions)
         wanted = set(hidden_layers)
         taps = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], meta)
+        # hot loop: .forward() skips nn.Module.__call__'s hook handling (a few us a call, ~150 calls a step)
+        for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
+            x = layer.forward(x, cos, sin, pool, meta)
             if i in wanted:
                 taps[i] = x
         hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1) if hidden_layers else None

@@ -9,11 +9,13 @@ from safetensors import safe_open
 
 from dspark.models.config import ModelConfig
 from dspark.models.decoder import Decoder
+from dspark.models.int4 import int4_supported, layers_native_int4, quantize_linears_int4
 from dspark.models.packing import pack_linears, packing_supported
 
 _PREFIX = "model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
+QUANTIZATION_CHOICES = ("auto", "none", "int4")
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
@@ -29,9 +31,12 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
 
 
 def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 pack: bool = False) -> Decoder:
+                 pack: bool = False, quantization: str = "none") -> Decoder:
     """Build the decoder for `path/config.json` and load its safetensors weights. `pack`: for
-    inference, put the linears in oneDNN's packed layout where that is supported (bf16 on CPU)."""
+    inference, put the linears in oneDNN's packed layout where that is supported (bf16 on CPU).
+    `quantization` (see resolve_quantization): "int4" runs the layers' linears with 4-bit weights."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {path}: expected a local Hugging Face model directory")
@@ -44,10 +49,29 @@ def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = type(model.rotary)(torch.tensor(cfg.inv_freq), cfg.rope_scale, 4096)
+    model.quantization = resolve_quantization(quantization, model, dtype, device)
+    if model.quantization == "int4":  # from the checkpoint's own values, before any cast rounds them
+        quantize_linears_int4(model.layers)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if pack and packing_supported(dtype, device):
         pack_linears(model, keep=("lm_head",))  # the drafter reads the (tied) LM head
     return model
+
+
+def resolve_quantization(quantization: str, model: Decoder, dtype: torch.dtype, device: str) -> str:
+    """"none", or "int4" (4-bit groups of 32 through the CPU int4 kernel, bf16 activations, LM head
+    and embeddings untouched). "auto" picks int4 only where it is lossless, i.e. the layers' weights
+    already are 4-bit groups (a GGUF Q4_0/Q4_1 model such as the embedded default), the dtype is
+    bf16 and the kernel exists; "int4" forces it (round-to-nearest quantization of other weights)."""
+    if quantization == "none":
+        return "none"
+    usable = dtype == torch.bfloat16 and int4_supported(device)
+    if quantization == "int4":
+        if not usable:
+            raise ValueError(f"quantization 'int4' needs dtype bfloat16 on a CPU with PyTorch's int4 kernel "
+                             f"(got dtype {str(dtype).removeprefix('torch.')} on {device})")
+        return "int4"
+    return "int4" if usable and layers_native_int4(model.layers) else "none"
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
 """Measure the target's steps/second per verify batch size (tokens): the SPS table the throughput
-planner reads. Cached under $DSPARK_HOME/sps keyed by model, dtype, threads, device and torch version."""
+planner reads. Cached under $DSPARK_HOME/sps keyed by model, dtype and weight format, threads, device
+and torch version."""
 from __future__ import annotations
 
 import hashlib
@@ -53,13 +54,13 @@ def profile_sps(decoder: Decoder, sizes: list[int], *, context: int = 128, repea
             times.append(time.perf_counter() - t)
             cache.truncate("p", context)
         sps[b] = 1.0 / statistics.median(times[1:])
-    return SPSTable(sps, model=name, dtype=str(decoder.dtype).replace("torch.", ""),
+    return SPSTable(sps, model=name, dtype=decoder.weight_format,
                     threads=torch.get_num_threads(), torch_version=torch.__version__, device=str(dev))
 
 
 def table_cache_path(model_path: Path, decoder: Decoder, max_tokens: int) -> Path:
     """Where the cached table for this model / dtype / threads / device / torch version lives."""
-    key = "|".join([str(Path(model_path).resolve()), str(decoder.dtype), str(torch.get_num_threads()),
+    key = "|".join([str(Path(model_path).resolve()), decoder.weight_format, str(torch.get_num_threads()),
                     str(decoder.device), torch.__version__, str(max_tokens)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return dspark_home() / "sps" / f"{Path(model_path).name}-{digest}.json"

@@ -202,6 +202,7 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
               kv_cache_mb=kv_cache_mb, device=device, dtype=dtype)
     mine["recipe"]["model_path"] = str(llm.model_path)
     mine["recipe"]["target_dtype"] = str(llm.decoder.dtype).replace("torch.", "")
+    mine["recipe"]["target_quantization"] = llm.decoder.quantization
     start, done = time.perf_counter(), 0
     for i in todo:
         path = out / SHARD.format(i)
@@ -267,8 +268,8 @@ def _manifest_files(out: Path) -> list[Path]:
 
 def _load_manifest(out: Path, recipe: Recipe) -> dict[str, Any]:
     """Existing manifest (every file's recipe must match, except where the target was loaded from
-    and in which dtype, both recorded after loading) or a fresh one."""
-    after_load = ("model_path", "target_dtype")
+    and in which dtype and weight format, recorded after loading) or a fresh one."""
+    after_load = ("model_path", "target_dtype", "target_quantization")
     mine = {k: v for k, v in asdict(recipe).items() if k not in after_load}
     found = None
     for path in _manifest_files(out):

@@ -65,7 +65,8 @@ def cache_features(data_dir: str | Path, cache_dir: str | Path, decoder, layers:
     """Write feat_shard_XXXXX.pt (bf16 hidden, top-K p_t) for every shard not cached yet (resumable)."""
     data_dir, cache_dir = Path(data_dir), Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    info = {"layers": list(layers), "topk": topk}
+    info = {"layers": list(layers), "topk": topk,
+            "target": decoder.weight_format}
     meta_path = cache_dir / "features.json"
     if meta_path.exists() and json.loads(meta_path.read_text()) != info:
         raise ValueError(f"{cache_dir} holds features for {meta_path.read_text().strip()}, not {info}")

@@ -146,7 +146,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     from dspark.train.features import FEAT, target_features
     from dspark.train.trainer import sample_anchors
 
-    target = load_decoder(resolve_model_path(args.model), dtype=resolve_dtype(args.dtype), pack=True)
+    target = load_decoder(resolve_model_path(args.model), dtype=resolve_dtype(args.dtype), pack=True,
+                          quantization="auto")  # the target as the engine serves it
     drafter = DSparkDrafter.from_pretrained(args.drafter, target.embed_tokens.weight, target.lm_head.weight).eval()
     layers = list(drafter.config.target_layer_ids)
     seqs = load_sequences(args.data, args.max_shards)

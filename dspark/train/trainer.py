@@ -118,7 +118,8 @@ class Trainer:
         self.model_path = resolve_model_path(self.cfg.model)
         self.target_cfg = json.loads((self.model_path / "config.json").read_text())
         dtype = resolve_dtype(self.cfg.target_dtype, str(self.device))
-        self.decoder = load_decoder(self.model_path, dtype=dtype, device=str(self.device), pack=True)
+        self.decoder = load_decoder(self.model_path, dtype=dtype, device=str(self.device), pack=True,
+                                    quantization="auto")  # the target as the engine serves it
 
     def _draft_config(self) -> DrafterConfig:
         c = self.cfg

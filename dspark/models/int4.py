@@ -1,0 +1,114 @@
+"""4-bit weights, 32 per group, run with PyTorch's CPU int4 kernel (bf16 activations).
+
+Why: at batch 1 a decode step reads every weight once, so its cost is the bytes read. The embedded
+target ships as a Q4_1 GGUF: its linear weights are 4-bit codes with a scale and a minimum per group of
+32 (w = d * q + m, q in 0..15). Kept in that form, a step reads a quarter of the bytes of bf16; the
+kernel decodes them on the fly. It is faster than packed bf16 up to about 8 rows per call and slower
+above (it dequantizes once per few rows), so it is the latency choice; packed bf16 is the throughput one.
+
+`native_int4` recognises weights that already are 4-bit groups (as a GGUF Q4_1 file's are, after any
+conversion to fp32), so re-packing them loses nothing but the rounding of scales to bf16 (less than
+rounding the weights themselves to bf16 does). Forcing int4 on other weights is round-to-nearest
+quantization: it changes the model, so dspark never does it unless asked.
+
+Every row gets the same result whatever the number of rows in a call (tests/test_int4.py), so
+speculative verification stays token-identical to plain decoding on this path too.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GROUP = 32  # GGUF Q4_0 / Q4_1 block size
+_LEVELS = 15
+_TOLERANCE = 1e-3  # of a group's step: what "already 4-bit" allows for fp32 rounding of d * q + m
+
+
+def int4_supported(device: torch.device | str) -> bool:
+    """True where the CPU int4 kernel exists (PyTorch >= 2.6 on a CPU)."""
+    return torch.device(device).type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def _shape_ok(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return n % 16 == 0 and k % GROUP == 0  # the kernel's layout constraints
+
+
+def fit_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Asymmetric 4-bit fit per group of 32 along the input axis: codes [N, K] int32, step and minimum
+    [N, K/32] fp32, and the largest reconstruction error as a fraction of its group's step."""
+    n, k = weight.shape
+    g = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    step = (hi - lo) / _LEVELS
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, _LEVELS)
+    err = ((codes * step[..., None] + lo[..., None] - g).abs().amax(-1) / safe).max().item()
+    return codes.to(torch.int32).reshape(n, k), step, lo, err
+
+
+def native_int4(weight: torch.Tensor) -> bool:
+    """True when `weight` already is 4-bit groups of 32 (e.g. dequantized from GGUF Q4_1)."""
+    return weight.dim() == 2 and _shape_ok(weight) and fit_int4(weight)[3] <= _TOLERANCE
+
+
+class Int4Linear(nn.Module):
+    """Inference-only stand-in for an `nn.Linear` with 4-bit grouped weights; bf16 in and out."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if not _shape_ok(weight):
+            raise ValueError(f"int4 needs out_features % 16 == 0 and in_features % {GROUP} == 0, "
+                             f"got {tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        codes, step, lo, _ = fit_int4(weight)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        # the kernel decodes w = (q - 8) * scale + zero
+        zero = lo + 8 * step
+        self.scale_zero = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
+        return cls(linear.weight, linear.bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.dim() == 2  # the decoder's case: no reshaping (a step makes ~120 of these calls)
+        rows = x if flat else x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if flat else y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
+
+
+def quantize_linears_int4(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
+    """Swap every `nn.Linear` under `module` (attribute names in `skip` excepted, and any whose shape
+    the kernel cannot take) for an Int4Linear. Returns the count."""
+    count = 0
+    for child in list(module.modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, nn.Linear) and attr not in skip and _shape_ok(sub.weight):
+                setattr(child, attr, Int4Linear.from_linear(sub))
+                count += 1
+    return count
+
+
+def layers_native_int4(module: nn.Module, skip: tuple[str, ...] = ()) -> bool:
+    """True when every `nn.Linear` under `module` (but `skip`) already holds 4-bit groups."""
+    found = False
+    for child in module.modules():
+        for attr, sub in child.named_children():
+            if isinstance(sub, nn.Linear) and attr not in skip:
+                if not native_int4(sub.weight):
+                    return False
+                found = True
+    return found
