@@ -101,3 +101,24 @@ def test_invariant_attention_rows_do_not_depend_on_the_window(heads, kv_heads):
         alone = invariant_attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1])
         assert torch.equal(alone, full[:, :, row:row + 1]), row
     torch.testing.assert_close(full, sdpa_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("position", [100, 300, 383, 400, 500, 700, 1000])
+def test_invariant_attention_rows_do_not_depend_on_the_key_padding(position):
+    """A verify window can pad the key axis 64 further than decoding its first row alone would; the
+    row's output must not change (long reductions are split where the kernel would split them)."""
+    from dspark.models.attention import KV_ALIGN, invariant_attention
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 9, 8, 64, generator=gen)
+    k, v = torch.randn(2, 1, 3, 1280, 64, generator=gen)
+
+    def rows(nq: int, keys: int) -> torch.Tensor:
+        mask = torch.arange(keys)[None, :] <= (position + torch.arange(nq))[:, None]
+        return invariant_attention(q[:, :, :nq], k[:, :, :keys], v[:, :, :keys], mask[None, None])
+
+    start = -(-(position + 1) // KV_ALIGN) * KV_ALIGN  # what decoding the row alone pads to
+    alone = rows(1, start)
+    for keys in range(start, 1281, KV_ALIGN):
+        for nq in (1, 8):
+            assert torch.equal(rows(nq, keys)[:, :, :1], alone), (keys, nq)

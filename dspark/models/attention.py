@@ -7,7 +7,10 @@ from the same position decoded alone, and greedy speculative output would drift 
 `invariant_attention` computes every row with the same reductions whatever the window: fp32 matmuls
 whose reduction axes (head_dim, then the key axis padded to a fixed multiple by the cache) do not
 change with the number of query rows, a masked softmax over that padded axis, masked keys contributing
-exact zeros. tests/test_packing.py checks the bit-identity on the embedded model.
+exact zeros. The probs @ values reduction runs over fixed chunks of KV_CHUNK keys, summed in order:
+past ~384 keys the BLAS kernel splits a long reduction at points that depend on its length, so a row
+whose window pads the key axis 64 further would otherwise round differently.
+tests/test_packing.py checks the bit-identity, on the embedded model and on long contexts.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 KV_ALIGN = 64  # key-axis padding the invariant path relies on (KVCache.kv_align)
+KV_CHUNK = 256  # keys per probs @ values matmul: a length the kernel reduces in one block
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -34,4 +38,7 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, nq, -1)
     scores = torch.where(mask.view(b, 1, 1, nq, -1), scores, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, hkv, g * nq, -1)
-    return torch.matmul(probs, v).view(b, h, nq, hd)
+    out = torch.matmul(probs[..., :KV_CHUNK], v[:, :, :KV_CHUNK])
+    for s in range(KV_CHUNK, probs.shape[-1], KV_CHUNK):  # chunks past a row's keys add exact zeros
+        out = out + torch.matmul(probs[..., s:s + KV_CHUNK], v[:, :, s:s + KV_CHUNK])
+    return out.view(b, h, nq, hd)
