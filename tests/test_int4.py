@@ -61,6 +61,19 @@ def test_int4_linear_rejects_shapes_the_kernel_cannot_take():
     assert isinstance(m[0], Int4Linear) and isinstance(m[1], nn.Linear)
 
 
+@needs_int4
+def test_native_only_is_all_or_nothing():
+    native, other = nn.Linear(64, 32), nn.Linear(64, 32)
+    with torch.no_grad():
+        native.weight.copy_(_q4_weight(32, 64))
+    m = nn.Sequential(native, other)
+    assert quantize_linears_int4(m, native_only=True) == 0
+    assert m[0] is native and m[1] is other  # put back
+    with torch.no_grad():
+        other.weight.copy_(_q4_weight(32, 64, seed=1))
+    assert quantize_linears_int4(m, native_only=True) == 2
+
+
 def test_loader_quantization_choices(tiny_llama_dir):
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_decoder(tiny_llama_dir, quantization="int3")

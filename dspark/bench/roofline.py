@@ -80,7 +80,8 @@ def run_roofline(model: str | None = None, *, dtype: str = "auto", quantization:
         source = "measured"
     if save_sps:
         table.save(save_sps)
-    return {"model": path.name, "dtype": dtype, "quantization": decoder.quantization, "device": device, "threads": torch.get_num_threads(),
+    return {"model": path.name, "dtype": dtype, "quantization": decoder.quantization, "device": device,
+            "threads": torch.get_num_threads(),
             "bandwidth_gb_s": bw, "weight_bytes": nbytes, "ceiling_tokens_per_s": ceiling_tokens_per_s(bw, nbytes),
             "sps": {str(k): v for k, v in table.points.items()}, "sps_source": source}
 

@@ -98,7 +98,7 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(torch.tensor(cfg.inv_freq), cfg.rope_scale, min(cfg.max_position_embeddings, 4096))
-        self.quantization = "none"  # the weight format the loader chose (models/loader.resolve_quantization)
+        self.quantization = "none"  # the weight format the loader chose (models/loader._apply_quantization)
 
     @property
     def dtype(self) -> torch.dtype:

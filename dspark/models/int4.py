@@ -55,13 +55,15 @@ def native_int4(weight: torch.Tensor) -> bool:
 class Int4Linear(nn.Module):
     """Inference-only stand-in for an `nn.Linear` with 4-bit grouped weights; bf16 in and out."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 fit: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None):
+        """fit: fit_int4(weight) when the caller already has it."""
         super().__init__()
         if not _shape_ok(weight):
             raise ValueError(f"int4 needs out_features % 16 == 0 and in_features % {GROUP} == 0, "
                              f"got {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
-        codes, step, lo, _ = fit_int4(weight)
+        codes, step, lo, _ = fit or fit_int4(weight)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         # the kernel decodes w = (q - 8) * scale + zero
         zero = lo + 8 * step
@@ -90,25 +92,20 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
 
 
-def quantize_linears_int4(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
+def quantize_linears_int4(module: nn.Module, skip: tuple[str, ...] = (), native_only: bool = False) -> int:
     """Swap every `nn.Linear` under `module` (attribute names in `skip` excepted, and any whose shape
-    the kernel cannot take) for an Int4Linear. Returns the count."""
-    count = 0
+    the kernel cannot take) for an Int4Linear. Returns the count. `native_only`: all or nothing, and
+    only if every such weight already is 4-bit groups (else everything is put back and 0 returned;
+    the first weight that is not stops the scan, so a bf16 checkpoint costs one fit)."""
+    swapped: list[tuple[nn.Module, str, nn.Linear]] = []
     for child in list(module.modules()):
         for attr, sub in list(child.named_children()):
             if isinstance(sub, nn.Linear) and attr not in skip and _shape_ok(sub.weight):
-                setattr(child, attr, Int4Linear.from_linear(sub))
-                count += 1
-    return count
-
-
-def layers_native_int4(module: nn.Module, skip: tuple[str, ...] = ()) -> bool:
-    """True when every `nn.Linear` under `module` (but `skip`) already holds 4-bit groups."""
-    found = False
-    for child in module.modules():
-        for attr, sub in child.named_children():
-            if isinstance(sub, nn.Linear) and attr not in skip:
-                if not native_int4(sub.weight):
-                    return False
-                found = True
-    return found
+                fit = fit_int4(sub.weight)
+                if native_only and fit[3] > _TOLERANCE:
+                    for parent, name, linear in swapped:
+                        setattr(parent, name, linear)
+                    return 0
+                setattr(child, attr, Int4Linear(sub.weight, sub.bias, fit=fit))
+                swapped.append((child, attr, sub))
+    return len(swapped)

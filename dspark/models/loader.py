@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from dspark.models.config import ModelConfig
 from dspark.models.decoder import Decoder
-from dspark.models.int4 import int4_supported, layers_native_int4, quantize_linears_int4
+from dspark.models.int4 import int4_supported, quantize_linears_int4
 from dspark.models.packing import pack_linears, packing_supported
 
 _PREFIX = "model."
@@ -34,7 +34,7 @@ def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device
                  pack: bool = False, quantization: str = "none") -> Decoder:
     """Build the decoder for `path/config.json` and load its safetensors weights. `pack`: for
     inference, put the linears in oneDNN's packed layout where that is supported (bf16 on CPU).
-    `quantization` (see resolve_quantization): "int4" runs the layers' linears with 4-bit weights."""
+    `quantization` (see _apply_quantization): "int4" runs the layers' linears with 4-bit weights."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
     path = Path(path)
@@ -49,20 +49,20 @@ def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = type(model.rotary)(torch.tensor(cfg.inv_freq), cfg.rope_scale, 4096)
-    model.quantization = resolve_quantization(quantization, model, dtype, device)
-    if model.quantization == "int4":  # from the checkpoint's own values, before any cast rounds them
-        quantize_linears_int4(model.layers)
+    model.quantization = _apply_quantization(quantization, model, dtype, device)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if pack and packing_supported(dtype, device):
         pack_linears(model, keep=("lm_head",))  # the drafter reads the (tied) LM head
     return model
 
 
-def resolve_quantization(quantization: str, model: Decoder, dtype: torch.dtype, device: str) -> str:
-    """"none", or "int4" (4-bit groups of 32 through the CPU int4 kernel, bf16 activations, LM head
-    and embeddings untouched). "auto" picks int4 only where it is lossless, i.e. the layers' weights
-    already are 4-bit groups (a GGUF Q4_0/Q4_1 model such as the embedded default), the dtype is
-    bf16 and the kernel exists; "int4" forces it (round-to-nearest quantization of other weights)."""
+def _apply_quantization(quantization: str, model: Decoder, dtype: torch.dtype, device: str) -> str:
+    """Put the layers' linears in the chosen weight format; returns "none" or "int4" (4-bit groups of
+    32 through the CPU int4 kernel, bf16 activations, LM head and embeddings untouched). "auto" picks
+    int4 only where it is lossless, i.e. the layers' weights already are 4-bit groups (a GGUF
+    Q4_0/Q4_1 model such as the embedded default), the dtype is bf16 and the kernel exists; "int4"
+    forces it (round-to-nearest quantization of other weights). Runs on the checkpoint's own values,
+    before any cast rounds them."""
     if quantization == "none":
         return "none"
     usable = dtype == torch.bfloat16 and int4_supported(device)
@@ -70,8 +70,9 @@ def resolve_quantization(quantization: str, model: Decoder, dtype: torch.dtype, 
         if not usable:
             raise ValueError(f"quantization 'int4' needs dtype bfloat16 on a CPU with PyTorch's int4 kernel "
                              f"(got dtype {str(dtype).removeprefix('torch.')} on {device})")
+        quantize_linears_int4(model.layers)
         return "int4"
-    return "int4" if usable and layers_native_int4(model.layers) else "none"
+    return "int4" if usable and quantize_linears_int4(model.layers, native_only=True) else "none"
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

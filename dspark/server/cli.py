@@ -82,7 +82,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     model = resolve_model_path(args.model)
     _check_files(spec, model, args)
     kv = {} if args.max_total_tokens is None else {"num_kv_blocks": -(-args.max_total_tokens // 16)}
-    return dict(model=model, dtype=args.dtype, quantization=args.quantization, device=args.device, max_num_seqs=args.max_running_requests,
+    return dict(model=model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+                max_num_seqs=args.max_running_requests,
                 max_num_batched_tokens=args.chunked_prefill_size, max_model_len=args.context_length, **kv, **spec)
 
 
