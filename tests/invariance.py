@@ -40,3 +40,15 @@ def batched_logits(dec, streams, plan):
                     got[i].append(r)
                 starts[i] += step[i]
     return [torch.cat(g) if g else torch.empty(0) for g in got]
+
+
+def assert_embedded_rows_invariant(dec) -> None:
+    """On the embedded model: a position's logits are bit-identical decoded alone, inside verify
+    windows of any width, or next to another sequence with other windows."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randint(1000, (90,), generator=gen), torch.randint(1000, (70,), generator=gen)
+    alone_a = batched_logits(dec, [a], [{0: 60}] + [{0: 1}] * 30)[0]
+    alone_b = batched_logits(dec, [b], [{0: 45}] + [{0: 1}] * 25)[0]
+    mixed = batched_logits(dec, [a, b], [{0: 60}, {0: 8, 1: 45}, {0: 3, 1: 7}, {0: 1, 1: 1}, {0: 5, 1: 8},
+                                         {0: 13, 1: 2}, {1: 7}])
+    assert torch.equal(mixed[0], alone_a) and torch.equal(mixed[1], alone_b)

@@ -11,7 +11,7 @@ from torch import nn
 from dspark import LLM, SamplingParams
 from dspark.models.int4 import GROUP, Int4Linear, fit_int4, int4_supported, native_int4, quantize_linears_int4
 from dspark.models.loader import load_decoder
-from invariance import batched_logits, logits_by_chunks
+from invariance import assert_embedded_rows_invariant, batched_logits, logits_by_chunks
 
 needs_int4 = pytest.mark.skipif(not int4_supported("cpu"), reason="this PyTorch has no CPU int4 kernel")
 
@@ -101,13 +101,7 @@ def test_embedded_model_runs_its_4bit_weights_and_rows_do_not_depend_on_window_o
     any width, or next to other sequences; and they stay close to the fp32 model's."""
     dec = load_decoder(embedded_dir, dtype=torch.bfloat16, pack=True, quantization="auto")
     assert dec.quantization == "int4"
-    gen = torch.Generator().manual_seed(3)
-    a, b = torch.randint(1000, (90,), generator=gen), torch.randint(1000, (70,), generator=gen)
-    alone_a = batched_logits(dec, [a], [{0: 60}] + [{0: 1}] * 30)[0]
-    alone_b = batched_logits(dec, [b], [{0: 45}] + [{0: 1}] * 25)[0]
-    mixed = batched_logits(dec, [a, b], [{0: 60}, {0: 8, 1: 45}, {0: 3, 1: 7}, {0: 1, 1: 1}, {0: 5, 1: 8},
-                                         {0: 13, 1: 2}, {1: 7}])
-    assert torch.equal(mixed[0], alone_a) and torch.equal(mixed[1], alone_b)
+    assert_embedded_rows_invariant(dec)
     from transformers import AutoTokenizer
 
     text = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He lit the great lamp, wound "

@@ -10,7 +10,7 @@ from torch import nn
 
 from dspark.models.loader import load_decoder, resolve_dtype
 from dspark.models.packing import PackedLinear, pack_linears, packing_supported
-from invariance import batched_logits, logits_by_chunks
+from invariance import assert_embedded_rows_invariant, logits_by_chunks
 
 needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16, "cpu"),
                                    reason="this CPU has no oneDNN bf16 support")
@@ -77,13 +77,7 @@ def test_embedded_bf16_rows_do_not_depend_on_window_or_batch(embedded_dir):
     """The embedded model in bf16: a position's logits are bit-identical decoded alone, inside verify
     windows of any width, or next to other sequences with other windows (the invariant attention)."""
     dec = load_decoder(embedded_dir, dtype=torch.bfloat16, pack=True)
-    gen = torch.Generator().manual_seed(3)
-    a, b = torch.randint(1000, (90,), generator=gen), torch.randint(1000, (70,), generator=gen)
-    alone_a = batched_logits(dec, [a], [{0: 60}] + [{0: 1}] * 30)[0]
-    alone_b = batched_logits(dec, [b], [{0: 45}] + [{0: 1}] * 25)[0]
-    mixed = batched_logits(dec, [a, b], [{0: 60}, {0: 8, 1: 45}, {0: 3, 1: 7}, {0: 1, 1: 1}, {0: 5, 1: 8},
-                                          {0: 13, 1: 2}, {1: 7}])
-    assert torch.equal(mixed[0], alone_a) and torch.equal(mixed[1], alone_b)
+    assert_embedded_rows_invariant(dec)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])

@@ -49,7 +49,11 @@ def fit_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def native_int4(weight: torch.Tensor) -> bool:
     """True when `weight` already is 4-bit groups of 32 (e.g. dequantized from GGUF Q4_1)."""
-    return weight.dim() == 2 and _shape_ok(weight) and fit_int4(weight)[3] <= _TOLERANCE
+    return weight.dim() == 2 and _shape_ok(weight) and _is_native(fit_int4(weight))
+
+
+def _is_native(fit: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]) -> bool:
+    return fit[3] <= _TOLERANCE
 
 
 class Int4Linear(nn.Module):
@@ -69,14 +73,6 @@ class Int4Linear(nn.Module):
         zero = lo + 8 * step
         self.scale_zero = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
-        return cls(linear.weight, linear.bias)
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2  # the decoder's case: no reshaping (a step makes ~120 of these calls)
@@ -102,7 +98,7 @@ def quantize_linears_int4(module: nn.Module, skip: tuple[str, ...] = (), native_
         for attr, sub in list(child.named_children()):
             if isinstance(sub, nn.Linear) and attr not in skip and _shape_ok(sub.weight):
                 fit = fit_int4(sub.weight)
-                if native_only and fit[3] > _TOLERANCE:
+                if native_only and not _is_native(fit):
                     for parent, name, linear in swapped:
                         setattr(parent, name, linear)
                     return 0
