@@ -5,6 +5,7 @@ sequence is truncated or freed.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -25,6 +26,9 @@ class AttentionMetadata:
     q_index: torch.Tensor | None  # [T] row of each token in the padded [B*Q] layout; None when B == 1
     num_seqs: int
     max_q: int
+    # one sequence whose rows are consecutive in the pool: kv_index[0] is kv_start + arange(S), so
+    # attention reads a view of the pool instead of gathering (the same layout, so the same numerics)
+    kv_start: int | None = None
 
 
 class KVCache:
@@ -46,7 +50,8 @@ class KVCache:
         self.num_blocks = num_blocks
         self.kv_align = kv_align
         self.device = torch.device(device)
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free: list[int] = list(range(num_blocks))  # a min-heap: the lowest free block goes first,
+        # so a sequence alone in the pool gets consecutive blocks (AttentionMetadata.kv_start)
         self._tables: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
 
@@ -82,7 +87,7 @@ class KVCache:
         table = self._tables.setdefault(seq, [])
         self._lengths.setdefault(seq, 0)
         for _ in range(need):
-            table.append(self._free.pop())
+            table.append(heapq.heappop(self._free))
 
     def truncate(self, seq: Hashable, length: int) -> None:
         """Forget every token of `seq` at or after `length`, returning whole blocks to the pool."""
@@ -92,12 +97,12 @@ class KVCache:
         table = self._tables[seq]
         keep = -(-length // self.block_size)
         while len(table) > keep:
-            self._free.append(table.pop())
+            heapq.heappush(self._free, table.pop())
 
     def free(self, seq: Hashable) -> None:
         """Release all blocks of `seq`."""
         for block in self._tables.pop(seq, []):
-            self._free.append(block)
+            heapq.heappush(self._free, block)
         self._lengths.pop(seq, None)
 
     # --- batch metadata ----------------------------------------------------------------------
@@ -122,8 +127,13 @@ class KVCache:
         s_idx = torch.arange(max_s).view(1, 1, -1)
         # causal within each sequence; padded query rows copy the last real row (never all-masked)
         mask = s_idx <= start_t + torch.minimum(j, qlen_t - 1)
-        q_index = None
-        if len(seqs) > 1:
+        q_index, kv_start = None, None
+        if len(seqs) == 1:
+            table = self._tables[seqs[0]]
+            first = table[0] if table else 0
+            if table == list(range(first, first + len(table))) and (first * bs + max_s) <= self.num_blocks * bs:
+                kv_start = first * bs
+        else:
             q_index = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(query_lens)])
             q_index = q_index.to(self.device)
         for s, tot in zip(seqs, totals):
@@ -135,4 +145,5 @@ class KVCache:
             q_index=q_index,
             num_seqs=len(seqs),
             max_q=max_q,
+            kv_start=kv_start,
         )

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 KV_ALIGN = 64  # key-axis padding the invariant path relies on (KVCache.kv_align)
 KV_CHUNK = 256  # keys per probs @ values matmul: a length the kernel reduces in one block
+_NEG_INF = torch.tensor(float("-inf"))  # made once: a Python scalar in torch.where becomes a new tensor per call
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -36,7 +37,7 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     # one matmul per (sequence, kv head): the g query heads of a group share its keys
     qg = q.reshape(b, hkv, g * nq, hd)
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, nq, -1)
-    scores = torch.where(mask.view(b, 1, 1, nq, -1), scores, float("-inf"))
+    scores = torch.where(mask.view(b, 1, 1, nq, -1), scores, _NEG_INF)
     probs = torch.softmax(scores, dim=-1).view(b, hkv, g * nq, -1)
     out = torch.matmul(probs[..., :KV_CHUNK], v[:, :, :KV_CHUNK])
     for s in range(KV_CHUNK, probs.shape[-1], KV_CHUNK):  # chunks past a row's keys add exact zeros

@@ -54,7 +54,10 @@ class Attention(nn.Module):
         q = qkv[:, :h]
         kv_pool.index_copy_(0, meta.slot_mapping, qkv[:, h:])  # keys and values in one write
         b, s = meta.kv_index.shape
-        kvs = kv_pool.index_select(0, meta.kv_index.view(-1)).view(b, s, 2 * hkv, self.hd).transpose(1, 2)
+        if meta.kv_start is not None:  # one sequence in consecutive blocks: a view, no gather
+            kvs = kv_pool[meta.kv_start:meta.kv_start + s].unsqueeze(0).transpose(1, 2)
+        else:
+            kvs = kv_pool.index_select(0, meta.kv_index.view(-1)).view(b, s, 2 * hkv, self.hd).transpose(1, 2)
         keys, vals = kvs[:, :hkv], kvs[:, hkv:]
         if meta.q_index is None:  # one sequence: no padding
             qp = q.reshape(1, t, self.h, self.hd).transpose(1, 2)

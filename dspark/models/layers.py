@@ -91,7 +91,6 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, heads, hd]; cos and signed sin from Rotary.cos_sin: [T, 1, hd]."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
-    return torch.addcmul(x * cos, swapped, sin)
+    """Rotate-half RoPE. x: [T, heads, hd]; cos and signed sin from Rotary.cos_sin: [T, 1, hd].
+    roll swaps the halves in one op (the sign lives in the table)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
