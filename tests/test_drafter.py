@@ -234,12 +234,13 @@ def test_save_load_round_trip(tmp_path: Path):
     d2t = torch.arange(0, V, 3)
     model = make(markov_head_type="rnn", draft_vocab_size=len(d2t), d2t=d2t)
     model.sts_temperatures = [1.2, 0.9, 1.0, 1.1]
+    model.survival_prior = [0.5, 0.25]
     model.save_pretrained(tmp_path, metadata={"recipe": {"lr": 6e-4}})
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert "d2t" in saved and not any("embed" in k or "lm_head" in k for k in saved)
     loaded = DSparkDrafter.from_pretrained(tmp_path, *target_weights())
     assert loaded.config == model.config and loaded.metadata == {"recipe": {"lr": 6e-4}}
-    assert loaded.sts_temperatures == [1.2, 0.9, 1.0, 1.1]
+    assert loaded.sts_temperatures == [1.2, 0.9, 1.0, 1.1] and loaded.survival_prior == [0.5, 0.25]
     ref, got = model.state_dict(), loaded.eval().state_dict()
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     feats, ids = data(b=1, s=12)

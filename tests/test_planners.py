@@ -197,3 +197,42 @@ def test_make_planner() -> None:
         ThroughputPlanner(None)
     with pytest.raises(ValueError, match="variant"):
         ThroughputPlanner(table, variant="greedy")
+
+
+def test_new_requests_use_the_drafters_measured_survival_as_prior() -> None:
+    table = SPSTable({1: 10.0, 2: 9.5, 4: 9.0, 8: 8.0})
+    poor = ThroughputPlanner(table, draft_seconds={1: 0.01}, prior=[0.1, 0.02, 0.01])
+    assert not poor.should_draft(["new"])  # 10% survival cannot pay: plain decoding from the start
+    assert poor.prior == pytest.approx([0.1, 0.2, 0.5])  # conditional rates
+    good = ThroughputPlanner(table, draft_seconds={1: 0.01}, prior=[0.9, 0.8, 0.7])
+    assert good.should_draft(["new"])
+    # plan(): the prior stands in for the lagged row of a request without history
+    lagged_table = SPSTable({1: 1.0, 2: 0.6, 3: 0.6, 4: 0.6})
+    assert ThroughputPlanner(lagged_table, prior=[0.3, 0.1, 0.05]).plan(["r"], [[0.99] * 3]) == [0]
+    assert ThroughputPlanner(lagged_table).plan(["r"], [[0.99] * 3]) == [3]  # no prior: survival 1
+
+
+def test_prefill_sharing_the_pass_shrinks_the_budget() -> None:
+    # linear cost: 10 ms a step + 1 ms a token; survival .5 pays on a bare decode step, not beside 100 prefill tokens
+    table = SPSTable({n: 1.0 / (0.010 + 0.001 * n) for n in (1, 2, 3, 4, 101, 102, 103, 104)})
+    conf = [[0.5, 0.5, 0.5]]
+    assert plan_algorithm1(conf, table) == [2]  # 1.75 tokens in 13 ms beats 1 in 11
+    assert plan_algorithm1(conf, table, extra_tokens=100) == [0]
+    assert plan_lagged_topk(conf, conf, table) == [2]
+    assert plan_lagged_topk(conf, conf, table, extra_tokens=100) == [0]
+    assert speculation_pays(conf, table, draft_seconds=0.0)
+    assert not speculation_pays(conf, table, draft_seconds=0.0, extra_tokens=100)
+
+
+def test_shipped_drafter_brings_its_survival_prior(tmp_path) -> None:
+    import json
+
+    from dspark.drafters.io import read_survival_prior
+    from dspark.spec.factory import shipped_drafter
+
+    prior = read_survival_prior(shipped_drafter("DSPARK") / "sts.json")
+    assert prior and all(0 <= b <= a <= 1 for a, b in zip(prior, prior[1:]))
+    bad = tmp_path / "sts.json"
+    bad.write_text(json.dumps({"temperatures": [1.0], "survival_rate": [1.5]}))
+    with pytest.raises(ValueError, match="survival_rate"):
+        read_survival_prior(bad)

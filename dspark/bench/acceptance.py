@@ -59,8 +59,8 @@ class _Planner:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def plan(self, request_ids, confidences):
-        lengths = self._inner.plan(request_ids, confidences)
+    def plan(self, request_ids, confidences, extra_tokens=0):
+        lengths = self._inner.plan(request_ids, confidences, extra_tokens)
         self._rec._planned(list(request_ids), list(lengths))
         return lengths
 

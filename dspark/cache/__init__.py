@@ -1,3 +1,3 @@
-from dspark.cache.kv_cache import AttentionMetadata, CacheFullError, KVCache
+from dspark.cache.kv_cache import AttentionGroup, AttentionMetadata, CacheFullError, KVCache
 
-__all__ = ["AttentionMetadata", "CacheFullError", "KVCache"]
+__all__ = ["AttentionGroup", "AttentionMetadata", "CacheFullError", "KVCache"]

@@ -16,19 +16,35 @@ class CacheFullError(RuntimeError):
     """Raised when the pool has too few free blocks for a reservation."""
 
 
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Where a ragged batch writes and reads K/V. B sequences, T new tokens, Q = max new per seq."""
+WINDOW_Q = 16  # windows up to this many tokens (decodes, verify windows) share one padded attention call
 
-    slot_mapping: torch.Tensor  # [T] flat cache row written by each new token
-    kv_index: torch.Tensor  # [B, S] flat cache rows each sequence reads (padded)
-    mask: torch.Tensor  # [B, 1, Q, S] bool, True = may attend
-    q_index: torch.Tensor | None  # [T] row of each token in the padded [B*Q] layout; None when B == 1
-    num_seqs: int
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences whose attention runs as one padded call: Bg sequences, Qg = their longest window."""
+
+    rows: torch.Tensor | None  # [Tg] this group's tokens among the batch's T; None = all T, in order
+    kv_index: torch.Tensor  # [Bg, S] flat cache rows each sequence reads (padded)
+    mask: torch.Tensor  # [Bg, 1, Qg, S] bool, True = may attend
+    q_index: torch.Tensor | None  # [Tg] row of each token in the padded [Bg*Qg] layout; None when Bg == 1
     max_q: int
     # one sequence whose rows are consecutive in the pool: kv_index[0] is kv_start + arange(S), so
     # attention reads a view of the pool instead of gathering (the same layout, so the same numerics)
     kv_start: int | None = None
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a ragged batch writes and reads K/V. B sequences, T new tokens.
+
+    Attention is split into groups so that short windows are not padded to a prefill chunk's length:
+    all windows of one token, all windows of 2..WINDOW_Q tokens, and each longer chunk on its own
+    (usually a single group). Every row's result is independent of its group's make-up
+    (models/attention.py), so the split changes cost, not numerics."""
+
+    slot_mapping: torch.Tensor  # [T] flat cache row written by each new token
+    groups: tuple[AttentionGroup, ...]
+    num_seqs: int
 
 
 class KVCache:
@@ -114,13 +130,37 @@ class KVCache:
         bs = self.block_size
         starts = [self._lengths[s] for s in seqs]
         totals = [st + q for st, q in zip(starts, query_lens)]
-        max_s, max_q = -(-max(totals) // self.kv_align) * self.kv_align, max(query_lens)
-        rows = torch.zeros(len(seqs), max_s, dtype=torch.long)
-        for i, s in enumerate(seqs):
+        slots = []  # per sequence: the flat cache row of each of its positions
+        for s, tot in zip(seqs, totals):
             table = torch.tensor(self._tables[s], dtype=torch.long)
-            pos = torch.arange(totals[i])
-            rows[i, : totals[i]] = table[pos // bs] * bs + pos % bs
-        slot_mapping = torch.cat([rows[i, st:tot] for i, (st, tot) in enumerate(zip(starts, totals))])
+            pos = torch.arange(tot)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        slot_mapping = torch.cat([sl[st:] for sl, st in zip(slots, starts)])
+        buckets: dict[object, list[int]] = {}
+        for i, q in enumerate(query_lens):
+            buckets.setdefault(0 if q <= 1 else 1 if q <= WINDOW_Q else ("chunk", i), []).append(i)
+        offsets = [0]
+        for q in query_lens:
+            offsets.append(offsets[-1] + q)
+        groups = []
+        for members in buckets.values():
+            rows = None
+            if len(members) < len(seqs):
+                rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members]).to(self.device)
+            groups.append(self._group([seqs[i] for i in members], [starts[i] for i in members],
+                                      [query_lens[i] for i in members], [slots[i] for i in members], rows))
+        for s, tot in zip(seqs, totals):
+            self._lengths[s] = tot
+        return AttentionMetadata(slot_mapping=slot_mapping.to(self.device), groups=tuple(groups),
+                                 num_seqs=len(seqs))
+
+    def _group(self, seqs: list[Hashable], starts: list[int], query_lens: list[int], slots: list[torch.Tensor],
+               rows: torch.Tensor | None) -> AttentionGroup:
+        totals = [st + q for st, q in zip(starts, query_lens)]
+        max_s, max_q = -(-max(totals) // self.kv_align) * self.kv_align, max(query_lens)
+        kv_index = torch.zeros(len(seqs), max_s, dtype=torch.long)  # padding reads row 0, masked
+        for i, sl in enumerate(slots):
+            kv_index[i, : sl.numel()] = sl
         start_t = torch.tensor(starts).view(-1, 1, 1)
         qlen_t = torch.tensor(query_lens).view(-1, 1, 1)
         j = torch.arange(max_q).view(1, -1, 1)
@@ -131,19 +171,10 @@ class KVCache:
         if len(seqs) == 1:
             table = self._tables[seqs[0]]
             first = table[0] if table else 0
-            if table == list(range(first, first + len(table))) and (first * bs + max_s) <= self.num_blocks * bs:
-                kv_start = first * bs
+            consecutive = table == list(range(first, first + len(table)))
+            if consecutive and first * self.block_size + max_s <= self.num_blocks * self.block_size:
+                kv_start = first * self.block_size
         else:
-            q_index = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(query_lens)])
-            q_index = q_index.to(self.device)
-        for s, tot in zip(seqs, totals):
-            self._lengths[s] = tot
-        return AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
-            kv_index=rows.to(self.device),
-            mask=mask.unsqueeze(1).to(self.device),
-            q_index=q_index,
-            num_seqs=len(seqs),
-            max_q=max_q,
-            kv_start=kv_start,
-        )
+            q_index = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(query_lens)]).to(self.device)
+        return AttentionGroup(rows=rows, kv_index=kv_index.to(self.device), mask=mask.unsqueeze(1).to(self.device),
+                              q_index=q_index, max_q=max_q, kv_start=kv_start)

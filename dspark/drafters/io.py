@@ -70,7 +70,10 @@ def save_drafter(model: "DSparkDrafter", directory: str | Path, metadata: dict[s
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     if model.sts_temperatures is not None:
-        (out / STS).write_text(json.dumps({"temperatures": list(model.sts_temperatures)}, indent=2) + "\n")
+        sts = {"temperatures": list(model.sts_temperatures)}
+        if model.survival_prior is not None:
+            sts["survival_rate"] = list(model.survival_prior)
+        (out / STS).write_text(json.dumps(sts, indent=2) + "\n")
 
 
 def load_drafter(cls: type["DSparkDrafter"], directory: str | Path, embed_weight: torch.Tensor,
@@ -83,6 +86,7 @@ def load_drafter(cls: type["DSparkDrafter"], directory: str | Path, embed_weight
     model.load_state_dict(tensors, strict=True)
     model.metadata = metadata
     model.sts_temperatures = read_sts(src / STS)
+    model.survival_prior = read_survival_prior(src / STS)
     return model
 
 
@@ -95,3 +99,22 @@ def read_sts(path: Path) -> list[float] | None:
     if not isinstance(temps, list) or not all(isinstance(t, (int, float)) and t > 0 for t in temps):
         raise ValueError(f"{path}: temperatures must be a list of positive numbers")
     return [float(t) for t in temps]
+
+
+def read_survival_prior(path: Path) -> list[float] | None:
+    """The per-position prefix survival rates measured at calibration (sts.json "survival_rate"),
+    up to the first position without samples; None if absent. The throughput planner's prior."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    rates = data.get("survival_rate") if isinstance(data, dict) else None
+    if rates is None:
+        return None
+    out = []
+    for r in rates:
+        if r is None:
+            break
+        if not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ValueError(f"{path}: survival_rate entries must be numbers in [0, 1], got {r!r}")
+        out.append(float(r))
+    return out or None

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dspark.cache import AttentionMetadata, KVCache
+from dspark.cache import AttentionGroup, AttentionMetadata, KVCache
 from dspark.models.attention import KV_ALIGN, invariant_attention, sdpa_attention
 from dspark.models.config import ModelConfig
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
@@ -51,25 +51,33 @@ class Attention(nn.Module):
             qkv = torch.cat([self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + hkv]), qkv[:, h + hkv:]], dim=1)
         # one call rotates q (and scales it by 1/sqrt(hd)) and k; v passes through (cos 1, sin 0)
         qkv = apply_rotary(qkv, cos, sin)
-        q = qkv[:, :h]
         kv_pool.index_copy_(0, meta.slot_mapping, qkv[:, h:])  # keys and values in one write
-        b, s = meta.kv_index.shape
-        if meta.kv_start is not None:  # one sequence in consecutive blocks: a view, no gather
-            kvs = kv_pool[meta.kv_start:meta.kv_start + s].unsqueeze(0).transpose(1, 2)
-        else:
-            kvs = kv_pool.index_select(0, meta.kv_index.view(-1)).view(b, s, 2 * hkv, self.hd).transpose(1, 2)
-        keys, vals = kvs[:, :hkv], kvs[:, hkv:]
-        if meta.q_index is None:  # one sequence: no padding
-            qp = q.reshape(1, t, self.h, self.hd).transpose(1, 2)
-        else:
-            qp = q.new_zeros(b * meta.max_q, self.h, self.hd).index_copy_(0, meta.q_index, q)
-            qp = qp.view(b, meta.max_q, self.h, self.hd).transpose(1, 2)
-        attend = invariant_attention if kv_pool.dtype != dt else sdpa_attention
-        out = attend(qp, keys, vals, meta.mask).to(dt)
-        out = out.transpose(1, 2).reshape(b * meta.max_q, self.h * self.hd)  # [B*Q, H*hd]
-        if meta.q_index is not None:
-            out = out.index_select(0, meta.q_index)
+        q = qkv[:, :h]
+        if len(meta.groups) == 1:
+            return self.o_proj.forward(self._attend(q, kv_pool, meta.groups[0], dt))
+        out = x.new_empty(t, h * self.hd)
+        for group in meta.groups:
+            out.index_copy_(0, group.rows, self._attend(q.index_select(0, group.rows), kv_pool, group, dt))
         return self.o_proj.forward(out)
+
+    def _attend(self, q: torch.Tensor, kv_pool: torch.Tensor, g: AttentionGroup, dt: torch.dtype) -> torch.Tensor:
+        """One group's attention: q [Tg, H, hd] (scaled, rotated) -> [Tg, H * hd] in dt."""
+        t, h, hkv = q.shape[0], self.h, self.hkv
+        b, s = g.kv_index.shape
+        if g.kv_start is not None:  # one sequence in consecutive blocks: a view, no gather
+            kvs = kv_pool[g.kv_start:g.kv_start + s].unsqueeze(0).transpose(1, 2)
+        else:
+            kvs = kv_pool.index_select(0, g.kv_index.view(-1)).view(b, s, 2 * hkv, self.hd).transpose(1, 2)
+        keys, vals = kvs[:, :hkv], kvs[:, hkv:]
+        if g.q_index is None:  # one sequence: no padding
+            qp = q.reshape(1, t, h, self.hd).transpose(1, 2)
+        else:
+            qp = q.new_zeros(b * g.max_q, h, self.hd).index_copy_(0, g.q_index, q)
+            qp = qp.view(b, g.max_q, h, self.hd).transpose(1, 2)
+        attend = invariant_attention if kv_pool.dtype != dt else sdpa_attention
+        out = attend(qp, keys, vals, g.mask).to(dt)
+        out = out.transpose(1, 2).reshape(b * g.max_q, h * self.hd)  # [B*Q, H*hd]
+        return out if g.q_index is None else out.index_select(0, g.q_index)
 
 
 class DecoderLayer(nn.Module):

@@ -76,7 +76,13 @@ def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, 
         widest = max(1, max_batch_tokens // (1 + proposer.max_drafts))
         sizes = sorted({1, 2, 4, 8, 16, 32, widest} & set(range(1, widest + 1)))
         draft_seconds = profile_drafting(proposer.drafter, sizes)
-    return make_planner("throughput", table, variant=cfg.throughput_variant, draft_seconds=draft_seconds)
+    prior = getattr(getattr(proposer, "drafter", None), "survival_prior", None)
+    if cfg.sts_path:
+        from dspark.drafters.io import read_survival_prior
+
+        prior = read_survival_prior(Path(cfg.sts_path)) or prior
+    return make_planner("throughput", table, variant=cfg.throughput_variant, draft_seconds=draft_seconds,
+                        prior=prior)
 
 
 def _check_compatible(drafter, decoder: Decoder, path: Path) -> None:

@@ -83,9 +83,13 @@ def plan_threshold(conf: Sequence[Sequence[float]], threshold: float) -> list[in
 
 
 def plan_algorithm1(
-    conf: Sequence[Sequence[float]], table: SPSTable, early_stop: bool = True
+    conf: Sequence[Sequence[float]], table: SPSTable, early_stop: bool = True, extra_tokens: int = 0
 ) -> list[int]:
     """Brief section 3.2: greedily admit drafts by survival while tau* x SPS(B) improves.
+
+    extra_tokens: other tokens sharing the verify pass (prefill chunks of joining requests). They
+    count in B and, being work done, in tau*: a step already long with prefill makes a draft's
+    marginal cost relatively larger, so fewer drafts pay.
 
     early_stop=False keeps scanning and takes the best prefix of the sorted pool instead. That variant
     is NOT lossless (a_{k+1}, which depends on the sampled x_k, then decides whether x_k is verified);
@@ -96,8 +100,8 @@ def plan_algorithm1(
     if num_requests == 0:
         return []
     pool = _survival_pool([survival(row) for row in conf])
-    batch = num_requests  # B: one anchor token per request
-    tau = float(num_requests)  # tau*: expected committed tokens
+    batch = num_requests + extra_tokens  # B: one anchor token per request, plus the prefill tokens
+    tau = float(batch)  # tau*: expected tokens of work done
     best = tau * table.sps(batch)  # Theta_best
     best_len = 0
     for n, (a, _, _) in enumerate(pool, start=1):
@@ -115,6 +119,7 @@ def plan_lagged_topk(
     conf_now: Sequence[Sequence[float]],
     conf_lagged: Sequence[Sequence[float]],
     table: SPSTable,
+    extra_tokens: int = 0,
 ) -> list[int]:
     """Brief section 3.3: budget K from lagged confidences by global argmax, spent on current top-K.
 
@@ -122,7 +127,8 @@ def plan_lagged_topk(
     number of drafts available now (first maximum wins). The K drafts with the largest current survival
     (prefix-respecting; zero-survival drafts are skipped, so fewer may be verified) are then verified.
     conf_lagged[r] is request r's confidence row from two rounds back; its values must not depend on
-    this round's drafts, which is what makes the unconstrained search lossless.
+    this round's drafts, which is what makes the unconstrained search lossless. extra_tokens: as in
+    plan_algorithm1 (R becomes R + extra_tokens in both factors).
     """
     _check_conf(conf_now)
     _check_conf(conf_lagged)
@@ -133,15 +139,26 @@ def plan_lagged_topk(
         return []
     cap = sum(len(row) for row in conf_now)  # value-independent upper bound on the budget
     lagged = sorted((a for row in conf_lagged for a in survival(row)), reverse=True)
-    gain = float(num_requests)
-    best, budget = gain * table.sps(num_requests), 0
+    base = num_requests + extra_tokens
+    gain = float(base)
+    best, budget = gain * table.sps(base), 0
     for k in range(1, cap + 1):
         gain += lagged[k - 1] if k - 1 < len(lagged) else 0.0
-        theta = gain * table.sps(num_requests + k)
+        theta = gain * table.sps(base + k)
         if theta > best:
             best, budget = theta, k
     pool = _survival_pool([survival(row) for row in conf_now])
     return _lengths_from_prefix(num_requests, pool[:budget])
+
+
+def _conditional(prefix_survival: Sequence[float]) -> list[float]:
+    """Conditional survival c_k = a_k / a_(k-1) from prefix survival a_1 >= a_2 >= ..., in [0, 1]."""
+    out, prev = [], 1.0
+    for a in prefix_survival:
+        a = min(max(float(a), 0.0), prev)
+        out.append(a / prev if prev > 0 else 0.0)
+        prev = a
+    return out
 
 
 def _check_batch(request_ids: Sequence[Hashable], conf: Sequence[Sequence[float]]) -> None:
@@ -152,17 +169,19 @@ def _check_batch(request_ids: Sequence[Hashable], conf: Sequence[Sequence[float]
         raise ValueError(f"duplicate request ids in {list(request_ids)}")
 
 
-def speculation_pays(lagged: Sequence[Sequence[float]], table: SPSTable, draft_seconds: float) -> bool:
+def speculation_pays(lagged: Sequence[Sequence[float]], table: SPSTable, draft_seconds: float,
+                     extra_tokens: int = 0) -> bool:
     """Whether drafting this round is expected to beat plain decoding, drafting time included.
 
     Plain: R tokens per 1 / SPS(R) seconds. Speculating with a budget of K drafts: R + (sum of the K
     largest lagged survival probabilities) tokens per 1 / SPS(R + K) + draft_seconds. Inputs are fixed
-    before this round's drafts exist, so skipping the drafter on this basis is lossless.
+    before this round's drafts exist, so skipping the drafter on this basis is lossless. extra_tokens
+    (prefill sharing the pass) add to R on both sides.
     """
     _check_conf(lagged)
-    r = len(lagged)
-    if r == 0:
+    if not lagged:
         return False
+    r = len(lagged) + extra_tokens
     plain = r * table.sps(r)
     gain = float(r)
     for k, a in enumerate(sorted((a for row in lagged for a in survival(row)), reverse=True), start=1):
@@ -176,10 +195,12 @@ class Planner(ABC):
     """Per-round verify-length policy; may keep per-request state until release()."""
 
     @abstractmethod
-    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]]) -> list[int]:
-        """Verify lengths l_r (0..len(conf[r])) for this round's requests."""
+    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]],
+             extra_tokens: int = 0) -> list[int]:
+        """Verify lengths l_r (0..len(conf[r])) for this round's requests; extra_tokens: other
+        tokens (prefill) sharing this round's verify pass."""
 
-    def should_draft(self, request_ids: Sequence[str | int]) -> bool:
+    def should_draft(self, request_ids: Sequence[str | int], extra_tokens: int = 0) -> bool:
         """Whether to run the drafter this round at all (asked before drafting)."""
         return True
 
@@ -190,7 +211,8 @@ class Planner(ABC):
 class FixedPlanner(Planner):
     """Verify every draft (DFlash / n-gram baselines, static mode)."""
 
-    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]]) -> list[int]:
+    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]],
+             extra_tokens: int = 0) -> list[int]:
         """l_r = len(conf[r])."""
         _check_batch(request_ids, conf)
         return plan_fixed([len(row) for row in conf])
@@ -205,7 +227,8 @@ class ThresholdPlanner(Planner):
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         self.threshold = threshold
 
-    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]]) -> list[int]:
+    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]],
+             extra_tokens: int = 0) -> list[int]:
         """l_r = number of leading drafts with c >= threshold."""
         _check_batch(request_ids, conf)
         return plan_threshold(conf, self.threshold)
@@ -215,13 +238,20 @@ class ThroughputPlanner(Planner):
     """Maximise expected tokens/s against a measured SPS table (lagged top-K or Algorithm 1)."""
 
     def __init__(self, table: SPSTable | None, variant: str = "lagged", lag: int = 2,
-                 draft_seconds: dict[int, float] | None = None, probe_every: int = 8) -> None:
+                 draft_seconds: dict[int, float] | None = None, probe_every: int = 8,
+                 prior: Sequence[float] | None = None) -> None:
         """variant in {"lagged", "algorithm1"}; lag = rounds between a confidence row and its use.
 
         draft_seconds: measured time of one drafting pass per batch size. With it, the drafter is
         skipped in rounds where, by each request's latest confidences, that time and the SPS table,
         no verify budget beats plain decoding; a request that has gone `probe_every` rounds without
         drafts makes the round draft anyway, so its confidences stay current.
+
+        prior: prefix survival per draft position (a_1 >= a_2 >= ...) that stands in for a request's
+        confidences until it has its own: the rates measured on the drafter's held-out calibration
+        logs (sts.json "survival_rate"). Fixed before any request runs, so using it is lossless and
+        keeps seeded runs reproducible. Without one, a new request is assumed to keep every draft
+        (survival 1) and always drafts.
         """
         if table is None:
             raise ValueError("the throughput planner needs a profiled SPS table (got None)")
@@ -232,6 +262,7 @@ class ThroughputPlanner(Planner):
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1 round, got {probe_every}")
         self.table, self.variant, self.lag, self.probe_every = table, variant, lag, probe_every
+        self.prior = _conditional(prior) if prior else None
         self.draft_table = dict(sorted((draft_seconds or {}).items()))
         # request id -> confidence rows of its last `lag` rounds, oldest first
         self._history: dict[str | int, deque[list[float]]] = {}
@@ -253,13 +284,24 @@ class ThroughputPlanner(Planner):
             return pts[lo] * num_requests / lo
         return pts[lo] + (pts[hi] - pts[lo]) * (num_requests - lo) / (hi - lo)
 
-    def should_draft(self, request_ids: Sequence[str | int]) -> bool:
-        """Draft unless speculation cannot pay this round (see speculation_pays). New requests, a
-        request due for a probe, or no measured drafting time: draft."""
+    def _prior_row(self, n: int) -> list[float] | None:
+        """The prior's conditional confidences for n drafts (its last value repeated past its end)."""
+        if self.prior is None:
+            return None
+        return [self.prior[min(k, len(self.prior) - 1)] for k in range(n)]
+
+    def should_draft(self, request_ids: Sequence[str | int], extra_tokens: int = 0) -> bool:
+        """Draft unless speculation cannot pay this round (see speculation_pays). A request due for a
+        probe, or no measured drafting time: draft. A new request is judged by the prior; with no
+        prior it drafts."""
         t = self.draft_seconds(len(request_ids))
-        hist = [self._history.get(rid) for rid in request_ids]
         due = any(self._undrafted.get(rid, 0) + 1 >= self.probe_every for rid in request_ids)
-        if t is None or due or any(not h for h in hist) or speculation_pays([h[-1] for h in hist], self.table, t):
+        latest = []
+        for rid in request_ids:
+            hist = self._history.get(rid)
+            latest.append(hist[-1] if hist else self._prior_row(len(self.prior or ())))
+        if (t is None or due or any(row is None for row in latest)
+                or speculation_pays(latest, self.table, t, extra_tokens)):
             for rid in request_ids:
                 self._undrafted[rid] = 0
             return True
@@ -267,11 +309,12 @@ class ThroughputPlanner(Planner):
             self._undrafted[rid] = self._undrafted.get(rid, 0) + 1
         return False
 
-    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]]) -> list[int]:
+    def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]],
+             extra_tokens: int = 0) -> list[int]:
         """Verify lengths for this round; the lagged variant also records conf for later rounds."""
         _check_batch(request_ids, conf)
         if self.variant == "algorithm1":
-            return plan_algorithm1(conf, self.table, early_stop=True)
+            return plan_algorithm1(conf, self.table, early_stop=True, extra_tokens=extra_tokens)
         lagged: list[Sequence[float]] = []
         for rid, row in zip(request_ids, conf):
             hist = self._history.get(rid)
@@ -281,12 +324,11 @@ class ThroughputPlanner(Planner):
                 # No history `lag` rounds back (a new request). Substituting the current row would
                 # break the causal barrier: the global argmax could then let a_{k+1} (a function of
                 # the sampled x_k) decide whether x_k is verified -- the Appendix A bias. Instead use
-                # a value-free prior of survival 1 at every position, so an all-new batch gets the
-                # budget argmax_K (R + K) x SPS(R + K). It is lossless (independent of this round's
-                # drafts) and optimistic: it may over-verify for `lag` rounds, whereas a prior of 0
-                # would force plain decoding on every new request's first rounds.
-                lagged.append([1.0] * len(row))
-        lengths = plan_lagged_topk(conf, lagged, self.table)
+                # a value-free prior: the drafter's measured survival rates, or, without them,
+                # survival 1 at every position (optimistic: it may over-verify for `lag` rounds,
+                # whereas 0 would force plain decoding on every new request's first rounds).
+                lagged.append(self._prior_row(len(row)) or [1.0] * len(row))
+        lengths = plan_lagged_topk(conf, lagged, self.table, extra_tokens)
         for rid, row in zip(request_ids, conf):
             self._history.setdefault(rid, deque(maxlen=self.lag)).append([float(c) for c in row])
         return lengths
