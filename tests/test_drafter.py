@@ -307,3 +307,27 @@ def test_cache_rollback_matches_fresh_cache():
         model.extend(cache, noise, 12)
     with pytest.raises(ValueError, match="anchor"):
         model.draft([cache], [1], [5])
+
+
+def test_proposer_feeds_context_lazily_and_replaces_reobserved_tails():
+    from types import SimpleNamespace
+
+    from dspark.spec.block_drafter import BlockDrafterProposer
+
+    model = make()
+    feats, _ = data(b=2, s=16)
+    seq = SimpleNamespace(request_id="r")
+    proposer = BlockDrafterProposer(model)
+    proposer.observe(seq, feats[0, :10], 0)  # prefill
+    proposer.observe(seq, feats[0, 10:14], 10)  # a verify window, all kept...
+    proposer.observe(seq, feats[1, 12:15], 12)  # ...then positions 12.. committed again differently
+    assert proposer._caches["r"].length == 0  # nothing projected before a draft needs it
+    with pytest.raises(ValueError, match="gap"):
+        proposer.observe(seq, feats[0, :1], 16)
+    proposer._feed("r")
+    want = torch.cat([feats[0, :12], feats[1, 12:15]])
+    eager = cache_for(model, want, 15, chunk=15)
+    got = proposer._caches["r"]
+    assert got.length == 15
+    for i in range(model.config.num_layers):
+        torch.testing.assert_close(got.layer(i), eager.layer(i))

@@ -1,5 +1,9 @@
 """BlockDrafterProposer: the DSpark / DFlash drafter behind the proposer contract. Its context K/V
-is fed from the target's hidden states of committed positions only (prefill and accepted verify rows)."""
+is fed from the target's hidden states of committed positions only (prefill and accepted verify rows).
+
+Feeding is lazy: committed hidden states wait (copied, per request) until the request next drafts, and
+then go through the drafter's context projections in one call. Under load the planner often declines
+to draft, and a prompt's worth of context would otherwise be projected for nothing."""
 from __future__ import annotations
 
 from typing import Sequence as Seq
@@ -24,11 +28,14 @@ class BlockDrafterProposer:
             temps += [temps[-1]] * (self.max_drafts - len(temps))
         self.sts = torch.tensor(temps[: self.max_drafts]) if temps else None  # [gamma]
         self._caches: dict[str, object] = {}
+        self._pending: dict[str, list[tuple[int, torch.Tensor]]] = {}  # request -> (start, hidden) not yet fed
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence]) -> Proposal:
         if not seqs:
             return Proposal(tokens=[], probs=[], confidences=[])
+        for s in seqs:
+            self._feed(s.request_id)
         out = self.drafter.draft(
             [self._caches[s.request_id] for s in seqs],
             [s.last_token for s in seqs],
@@ -49,11 +56,26 @@ class BlockDrafterProposer:
 
     @torch.inference_mode()
     def observe(self, seq: Sequence, hidden: torch.Tensor | None, start: int) -> None:
-        cache = self._caches.get(seq.request_id)
-        if cache is None:
-            cache = self._caches[seq.request_id] = self.drafter.new_cache()
-        if hidden is not None and hidden.shape[0]:
-            self.drafter.extend(cache, hidden.to(self.drafter.fc.weight.dtype), start)
+        rid = seq.request_id
+        if rid not in self._caches:
+            self._caches[rid] = self.drafter.new_cache()
+        if hidden is None or not hidden.shape[0]:
+            return
+        pending = self._pending.get(rid, [])
+        if pending and start > pending[-1][0] + pending[-1][1].shape[0]:
+            raise ValueError(f"request {rid!r}: hidden states from position {start} leave a gap")
+        # a re-observed tail (positions from `start` on) replaces what was waiting there
+        pending = [(s, h[: start - s]) for s, h in pending if s < start]
+        pending.append((start, hidden.to(self.drafter.fc.weight.dtype, copy=True)))
+        self._pending[rid] = pending
+
+    @torch.inference_mode()
+    def _feed(self, rid: str) -> None:
+        """Project the request's waiting hidden states into its drafter cache (one extend)."""
+        pending = self._pending.pop(rid, None)
+        if pending:
+            self.drafter.extend(self._caches[rid], torch.cat([h for _, h in pending]), pending[0][0])
 
     def release(self, seq: Sequence) -> None:
         self._caches.pop(seq.request_id, None)
+        self._pending.pop(seq.request_id, None)
