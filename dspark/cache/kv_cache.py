@@ -67,7 +67,7 @@ class KVCache:
         self.kv_align = kv_align
         self.device = torch.device(device)
         self._free: list[int] = list(range(num_blocks))  # a min-heap: the lowest free block goes first,
-        # so a sequence alone in the pool gets consecutive blocks (AttentionMetadata.kv_start)
+        # so a sequence alone in the pool gets consecutive blocks (AttentionGroup.kv_start)
         self._tables: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
 

@@ -267,7 +267,6 @@ class ThroughputPlanner(Planner):
         # request id -> confidence rows of its last `lag` rounds, oldest first
         self._history: dict[str | int, deque[list[float]]] = {}
         self._undrafted: dict[str | int, int] = {}  # request id -> rounds since it last drafted
-        self._interval: dict[str | int, int] = {}  # request id -> rounds between its probes
 
     def draft_seconds(self, num_requests: int) -> float | None:
         """Drafting time for a batch: linear between measured sizes, proportional beyond the largest."""
@@ -294,25 +293,22 @@ class ThroughputPlanner(Planner):
     def should_draft(self, request_ids: Sequence[str | int], extra_tokens: int = 0) -> bool:
         """Draft unless speculation cannot pay this round (see speculation_pays). A new request is
         judged by the prior (with no prior, or no measured drafting time, the round drafts). A
-        request that has gone its probe interval without drafts makes the round draft anyway, so
-        its confidences stay current; each probe that finds speculation still not paying doubles
-        that request's interval (up to 16 x probe_every), and a round that pays resets it."""
+        request that has gone `probe_every` rounds without drafts makes the round draft anyway, so
+        its confidences stay current."""
         t = self.draft_seconds(len(request_ids))
+        due = any(self._undrafted.get(rid, 0) + 1 >= self.probe_every for rid in request_ids)
         latest = []
         for rid in request_ids:
             hist = self._history.get(rid)
             latest.append(hist[-1] if hist else self._prior_row(len(self.prior or ())))
-        if t is None or any(row is None for row in latest) or speculation_pays(latest, self.table, t, extra_tokens):
+        if (t is None or due or any(row is None for row in latest)
+                or speculation_pays(latest, self.table, t, extra_tokens)):
             for rid in request_ids:
-                self._undrafted[rid], self._interval[rid] = 0, self.probe_every
+                self._undrafted[rid] = 0
             return True
-        due = [rid for rid in request_ids
-               if self._undrafted.get(rid, 0) + 1 >= self._interval.get(rid, self.probe_every)]
         for rid in request_ids:
-            self._undrafted[rid] = 0 if due else self._undrafted.get(rid, 0) + 1
-        for rid in due:  # probing now; if it still does not pay, the next probe comes later
-            self._interval[rid] = min(2 * self._interval.get(rid, self.probe_every), 16 * self.probe_every)
-        return bool(due)
+            self._undrafted[rid] = self._undrafted.get(rid, 0) + 1
+        return False
 
     def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]],
              extra_tokens: int = 0) -> list[int]:
@@ -342,7 +338,6 @@ class ThroughputPlanner(Planner):
         """Drop the request's confidence history."""
         self._history.pop(request_id, None)
         self._undrafted.pop(request_id, None)
-        self._interval.pop(request_id, None)
 
 
 def make_planner(name: str, table: SPSTable | None = None, **kw: object) -> Planner:
