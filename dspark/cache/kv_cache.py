@@ -44,7 +44,6 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] flat cache row written by each new token
     groups: tuple[AttentionGroup, ...]
-    num_seqs: int
 
 
 class KVCache:
@@ -151,8 +150,7 @@ class KVCache:
                                       [query_lens[i] for i in members], [slots[i] for i in members], rows))
         for s, tot in zip(seqs, totals):
             self._lengths[s] = tot
-        return AttentionMetadata(slot_mapping=slot_mapping.to(self.device), groups=tuple(groups),
-                                 num_seqs=len(seqs))
+        return AttentionMetadata(slot_mapping=slot_mapping.to(self.device), groups=tuple(groups))
 
     def _group(self, seqs: list[Hashable], starts: list[int], query_lens: list[int], slots: list[torch.Tensor],
                rows: torch.Tensor | None) -> AttentionGroup:

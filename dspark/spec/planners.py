@@ -300,7 +300,7 @@ class ThroughputPlanner(Planner):
         latest = []
         for rid in request_ids:
             hist = self._history.get(rid)
-            latest.append(hist[-1] if hist else self._prior_row(len(self.prior or ())))
+            latest.append(hist[-1] if hist else self.prior)  # None: no prior, so draft
         if (t is None or due or any(row is None for row in latest)
                 or speculation_pays(latest, self.table, t, extra_tokens)):
             for rid in request_ids:
