@@ -28,6 +28,9 @@ def register(sub) -> None:
     f = sub.add_parser("profile", help="measure the target's steps/s per verify batch size (the SPS table)")
     add_model_args(f)
     f.add_argument("--max-tokens", type=int, default=128, help="largest verify batch to measure, in tokens")
+    f.add_argument("--max-seqs", type=int, default=1,
+                   help="also measure loaded steps of 2..N sequences (the server's --max-running-requests)")
+    f.add_argument("--window", type=int, default=8, help="widest verify window of a loaded step (1 + block size)")
     f.add_argument("--repeats", type=int, default=5)
     f.add_argument("--out", default=None, help="JSON path (default: print it)")
     f.set_defaults(func=profile)
@@ -88,12 +91,17 @@ def profile(args) -> int:
 
     from dspark.llm import resolve_model_path
     from dspark.models.loader import load_decoder, resolve_dtype
-    from dspark.spec.profile import default_sizes, profile_sps
+    from dspark.spec.profile import default_seq_counts, default_sizes, profile_sps
 
+    for flag, value in (("--max-tokens", args.max_tokens), ("--max-seqs", args.max_seqs), ("--window", args.window),
+                        ("--repeats", args.repeats)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     path = resolve_model_path(args.model)
     decoder = load_decoder(path, dtype=resolve_dtype(args.dtype, args.device), device=args.device, pack=True,
                            quantization=args.quantization)
-    table = profile_sps(decoder, default_sizes(args.max_tokens), repeats=args.repeats, name=path.name)
+    table = profile_sps(decoder, default_sizes(args.max_tokens), seq_counts=default_seq_counts(args.max_seqs),
+                        window=args.window, repeats=args.repeats, name=path.name)
     if args.out:
         table.save(args.out)
         print(f"wrote {args.out} ({torch.get_num_threads()} threads)", file=sys.stderr)

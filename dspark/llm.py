@@ -59,8 +59,7 @@ class LLM:
         per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.decoder.kv_dtype)
         blocks = num_kv_blocks or max(1, kv_cache_mb * 2**20 // (per_token * block_size))
         proposer = build_proposer(self.speculative, self.decoder, self.model_path)
-        widest = max_num_seqs * (1 + proposer.max_drafts)
-        planner = build_planner(self.speculative, proposer, self.decoder, self.model_path, widest)
+        planner = build_planner(self.speculative, proposer, self.decoder, self.model_path, max_num_seqs)
         self.engine = LLMEngine(self.decoder, self.tokenizer, cache_blocks=blocks, block_size=block_size,
                                 scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
                                 proposer=proposer, planner=planner, verify_mode=self.speculative.verify_mode,

@@ -324,10 +324,27 @@ def test_proposer_feeds_context_lazily_and_replaces_reobserved_tails():
     assert proposer._caches["r"].length == 0  # nothing projected before a draft needs it
     with pytest.raises(ValueError, match="gap"):
         proposer.observe(seq, feats[0, :1], 16)
-    proposer._feed("r")
+    proposer._feed(["r"])
     want = torch.cat([feats[0, :12], feats[1, 12:15]])
     eager = cache_for(model, want, 15, chunk=15)
     got = proposer._caches["r"]
     assert got.length == 15
     for i in range(model.config.num_layers):
         torch.testing.assert_close(got.layer(i), eager.layer(i))
+
+
+def test_extend_many_matches_one_extend_per_request():
+    model = make()
+    feats, _ = data(b=3, s=16)
+    one = [cache_for(model, feats[i], 6) for i in range(3)]
+    many = [cache_for(model, feats[i], 6) for i in range(3)]
+    rows = [(feats[0, 6:10], 6), (feats[1, 4:5], 4), (feats[2, :0], 3)]  # extend, roll back + extend, truncate only
+    for cache, (h, start) in zip(one, rows):
+        model.extend(cache, h, start)
+    model.extend_many(many, [h for h, _ in rows], [start for _, start in rows])
+    assert [c.length for c in many] == [c.length for c in one] == [10, 5, 3]
+    for a, b in zip(one, many):
+        for i in range(model.config.num_layers):
+            torch.testing.assert_close(a.layer(i), b.layer(i), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="gap"):
+        model.extend_many(many, [feats[0, :1], feats[1, :1]], [10, 9])

@@ -236,3 +236,30 @@ def test_shipped_drafter_brings_its_survival_prior(tmp_path) -> None:
     bad.write_text(json.dumps({"temperatures": [1.0], "survival_rate": [1.5]}))
     with pytest.raises(ValueError, match="survival_rate"):
         read_survival_prior(bad)
+
+
+def test_loaded_steps_are_priced_by_their_own_curve() -> None:
+    # One sequence: 10 ms + 1 ms a token, so a draft is cheap. Eight sequences: 40 ms, and the first
+    # draft costs 20 ms more (a second attention group and another block of the 4-bit kernel's rows).
+    one = {n: 1.0 / (0.010 + 0.001 * n) for n in range(1, 64)}
+    loaded = SPSTable(one, by_seqs={8: {8: 1 / 0.040, 9: 1 / 0.060, 16: 1 / 0.064, 24: 1 / 0.080}})
+    blind = SPSTable(one)
+    conf = [[0.6, 0.5, 0.5]] + [[0.3, 0.3, 0.3]] * 7  # 8 requests, one of them confident
+    ids = [f"r{i}" for i in range(8)]
+    assert sum(plan_algorithm1(conf, blind)) > 0  # priced as 8 tokens of one sequence, drafts pay
+    assert plan_algorithm1(conf, loaded) == [0] * 8  # 1.6 tokens more for +50% time: they do not
+    assert sum(plan_lagged_topk(conf, conf, blind)) > 0 and plan_lagged_topk(conf, conf, loaded) == [0] * 8
+    assert speculation_pays(conf, blind, 1e-4) and not speculation_pays(conf, loaded, 1e-4)
+    planner = ThroughputPlanner(loaded, draft_seconds={8: 1e-4})
+    planner.plan(ids, conf)
+    assert not planner.should_draft(ids)
+
+
+def test_longer_contexts_make_drafts_relatively_cheaper() -> None:
+    # 10 ms + 10 ms a draft at the profiled 100-token contexts; attention adds 10 us a cached token
+    table = SPSTable({n: 1.0 / (0.010 * n) for n in range(1, 9)}, by_seqs={2: {2 + e: 1.0 / (0.020 + 0.010 * e)
+                                                                             for e in range(9)}},
+                     context=100, kv_seconds=1e-5)
+    conf = [[0.55, 0.9], [0.55, 0.9]]  # one draft per request adds 1.1 tokens for 20 ms
+    assert plan_algorithm1(conf, table, context_tokens=200) == [0, 0]  # 40 ms -> 3.1 tokens in 40: no
+    assert plan_algorithm1(conf, table, context_tokens=4200) != [0, 0]  # 60 ms base: 3.1 in 80 ms beats 2 in 60

@@ -10,6 +10,7 @@ import torch
 from dspark import LLM, SamplingParams
 from dspark.drafters import DrafterConfig, DSparkDrafter
 from dspark.models.loader import load_decoder
+from dspark.spec.cost_table import SPSTable
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7],  # repetitive: n-gram drafts get accepted
@@ -159,6 +160,32 @@ def test_profile_writes_a_usable_table(tiny_llama_dir):
     # context 16 = one full block: every timed window crosses into a block that truncate() hands back
     table = profile_sps(load_decoder(tiny_llama_dir), [1, 2, 4], context=16, repeats=2, progress=False)
     assert table.max_tokens == 4 and all(table.sps(b) > 0 for b in (1, 2, 3, 4, 8))
+    assert table.points_by_seqs == {} and table.context == 16
+
+
+def test_profile_measures_loaded_steps(tiny_llama_dir, tmp_path):
+    from dspark.spec.profile import EXTRA_TOKENS, default_seq_counts, profile_sps
+
+    assert default_seq_counts(1) == [] and default_seq_counts(8) == [2, 4, 8] and default_seq_counts(12) == [2, 4, 8, 12]
+    table = profile_sps(load_decoder(tiny_llama_dir), [1, 2], seq_counts=[2, 3], window=3, context=16, repeats=1,
+                        progress=False)
+    pts = table.points_by_seqs
+    assert sorted(pts) == [2, 3]
+    assert sorted(pts[2]) == [2 + e for e in EXTRA_TOKENS if e <= 4] and sorted(pts[3]) == [3 + e for e in EXTRA_TOKENS if e <= 6]
+    for curve in pts.values():  # monotone: more tokens never read as faster
+        values = [curve[k] for k in sorted(curve)]
+        assert all(a >= b for a, b in zip(values, values[1:]))
+    assert table.kv_seconds >= 0 and table.context == 16
+    path = tmp_path / "sps.json"
+    table.save(path)
+    assert SPSTable.load(path).points_by_seqs == pts
+
+
+def test_profile_command_rejects_bad_sizes(capsys):
+    from dspark.cli import main
+
+    assert main(["profile", "--max-seqs", "0"]) != 0
+    assert "--max-seqs must be >= 1" in capsys.readouterr().err
 
 
 def test_accepted_drafts_feed_the_drafter_context(tiny_llama_dir, drafters, sps_file, plain):

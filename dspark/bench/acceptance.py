@@ -59,8 +59,8 @@ class _Planner:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def plan(self, request_ids, confidences, extra_tokens=0):
-        lengths = self._inner.plan(request_ids, confidences, extra_tokens)
+    def plan(self, request_ids, confidences, extra_tokens=0, context_tokens=None):
+        lengths = self._inner.plan(request_ids, confidences, extra_tokens, context_tokens)
         self._rec._planned(list(request_ids), list(lengths))
         return lengths
 

@@ -169,15 +169,29 @@ class DSparkDrafter(Backbone):
     @torch.no_grad()
     def extend(self, cache: DrafterCache, target_hidden: torch.Tensor, start_pos: int) -> None:
         """Add committed positions start_pos.. from target features [n, m*d] (drops any cached tail first)."""
-        if start_pos > cache.length:
-            raise ValueError(f"extend at position {start_pos} would leave a gap after {cache.length} cached")
-        cache.truncate(start_pos)
-        n = target_hidden.shape[0]
-        if n == 0:
+        self.extend_many([cache], [target_hidden], [start_pos])
+
+    @torch.no_grad()
+    def extend_many(self, caches: Sequence[DrafterCache], target_hidden: Sequence[torch.Tensor],
+                    start_pos: Sequence[int]) -> None:
+        """extend() for several requests in one projection: their rows are packed into one call."""
+        for cache, start in zip(caches, start_pos):
+            if start > cache.length:
+                raise ValueError(f"extend at position {start} would leave a gap after {cache.length} cached")
+        sizes = [h.shape[0] for h in target_hidden]
+        if not sum(sizes):
+            for cache, start in zip(caches, start_pos):
+                cache.truncate(start)
             return
-        pos = torch.arange(start_pos, start_pos + n, device=target_hidden.device).unsqueeze(0)
-        kv = self.context_kv(target_hidden.unsqueeze(0), pos)
-        cache.append([(k[0], v[0]) for k, v in kv])
+        device = target_hidden[0].device
+        pos = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(start_pos, sizes)]).unsqueeze(0)
+        kv = self.context_kv(torch.cat(list(target_hidden)).unsqueeze(0), pos)
+        offset = 0
+        for cache, start, n in zip(caches, start_pos, sizes):
+            cache.truncate(start)
+            if n:
+                cache.append([(k[0, offset:offset + n], v[0, offset:offset + n]) for k, v in kv])
+            offset += n
 
     @torch.no_grad()
     def draft(self, caches: Sequence[DrafterCache], anchors: Sequence[int], anchor_pos: Sequence[int], *,

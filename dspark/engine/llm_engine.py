@@ -153,7 +153,8 @@ class LLMEngine:
         if not seqs or self.proposer.max_drafts == 0:
             return self.proposer.propose(seqs)
         ids = [s.request_id for s in seqs]
-        if self.planner is not None and self.verify_mode != "static" and not self.planner.should_draft(ids, prefill_tokens):
+        if (self.planner is not None and self.verify_mode != "static"
+                and not self.planner.should_draft(ids, prefill_tokens, sum(s.num_cached for s in seqs))):
             self.stats.skipped_drafting += 1
             return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs), confidences=None)
         return self.proposer.propose(seqs)
@@ -163,7 +164,7 @@ class LLMEngine:
         if self.planner is None or not seqs or self.verify_mode == "static" or not any(n):
             return n
         lengths = self.planner.plan([s.request_id for s in seqs], proposal.confidences or [[1.0] * k for k in n],
-                                    prefill_tokens)
+                                    prefill_tokens, sum(s.num_cached for s in seqs))
         return [min(a, b) for a, b in zip(lengths, n)]
 
     def _after_prefill(self, seq: Sequence, n: int, logits, hidden) -> list[Sequence]:

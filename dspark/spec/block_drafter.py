@@ -34,8 +34,7 @@ class BlockDrafterProposer:
     def propose(self, seqs: Seq[Sequence]) -> Proposal:
         if not seqs:
             return Proposal(tokens=[], probs=[], confidences=[])
-        for s in seqs:
-            self._feed(s.request_id)
+        self._feed([s.request_id for s in seqs])
         out = self.drafter.draft(
             [self._caches[s.request_id] for s in seqs],
             [s.last_token for s in seqs],
@@ -70,11 +69,17 @@ class BlockDrafterProposer:
         self._pending[rid] = pending
 
     @torch.inference_mode()
-    def _feed(self, rid: str) -> None:
-        """Project the request's waiting hidden states into its drafter cache (one extend)."""
-        pending = self._pending.pop(rid, None)
-        if pending:
-            self.drafter.extend(self._caches[rid], torch.cat([h for _, h in pending]), pending[0][0])
+    def _feed(self, rids: list[str]) -> None:
+        """Project the requests' waiting hidden states into their drafter caches (one packed extend)."""
+        caches, hidden, starts = [], [], []
+        for rid in rids:
+            pending = self._pending.pop(rid, None)
+            if pending:
+                caches.append(self._caches[rid])
+                hidden.append(torch.cat([h for _, h in pending]))
+                starts.append(pending[0][0])
+        if caches:
+            self.drafter.extend_many(caches, hidden, starts)
 
     def release(self, seq: Sequence) -> None:
         self._caches.pop(seq.request_id, None)

@@ -62,7 +62,7 @@ def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -
 
 
 def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, model_path: Path,
-                  max_batch_tokens: int) -> Planner | None:
+                  max_num_seqs: int) -> Planner | None:
     """Planner for drafters with a confidence head; everything else verifies all its drafts."""
     if cfg.algorithm != "DSPARK" or cfg.verify_mode == "static" or cfg.planner == "fixed":
         return None
@@ -70,11 +70,12 @@ def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, 
         return make_planner("threshold", threshold=cfg.threshold)
     from dspark.spec.profile import load_or_profile, profile_drafting
 
-    table = SPSTable.load(cfg.sps_table) if cfg.sps_table else load_or_profile(model_path, decoder, max_batch_tokens)
+    window = 1 + proposer.max_drafts
+    table = SPSTable.load(cfg.sps_table) if cfg.sps_table else load_or_profile(
+        model_path, decoder, max_num_seqs * window, max_seqs=max_num_seqs, window=window)
     draft_seconds = None
     if cfg.skip_drafting and hasattr(proposer, "drafter"):
-        widest = max(1, max_batch_tokens // (1 + proposer.max_drafts))
-        sizes = sorted({1, 2, 4, 8, 16, 32, widest} & set(range(1, widest + 1)))
+        sizes = sorted({1, 2, 4, 8, 16, 32, max_num_seqs} & set(range(1, max_num_seqs + 1)))
         draft_seconds = profile_drafting(proposer.drafter, sizes)
     prior = getattr(getattr(proposer, "drafter", None), "survival_prior", None)
     if cfg.sts_path:

@@ -83,13 +83,15 @@ def plan_threshold(conf: Sequence[Sequence[float]], threshold: float) -> list[in
 
 
 def plan_algorithm1(
-    conf: Sequence[Sequence[float]], table: SPSTable, early_stop: bool = True, extra_tokens: int = 0
+    conf: Sequence[Sequence[float]], table: SPSTable, early_stop: bool = True, extra_tokens: int = 0,
+    context_tokens: int | None = None,
 ) -> list[int]:
     """Brief section 3.2: greedily admit drafts by survival while tau* x SPS(B) improves.
 
     extra_tokens: other tokens sharing the verify pass (prefill chunks of joining requests). They
     count in B and, being work done, in tau*: a step already long with prefill makes a draft's
-    marginal cost relatively larger, so fewer drafts pay.
+    marginal cost relatively larger, so fewer drafts pay. context_tokens: the requests' cached
+    tokens in all (SPSTable.sps prices the step's attention with it; None: the profiled context).
 
     early_stop=False keeps scanning and takes the best prefix of the sorted pool instead. That variant
     is NOT lossless (a_{k+1}, which depends on the sampled x_k, then decides whether x_k is verified);
@@ -102,12 +104,12 @@ def plan_algorithm1(
     pool = _survival_pool([survival(row) for row in conf])
     batch = num_requests + extra_tokens  # B: one anchor token per request, plus the prefill tokens
     tau = float(batch)  # tau*: expected tokens of work done
-    best = tau * table.sps(batch)  # Theta_best
+    best = tau * table.sps(batch, num_requests, context_tokens)  # Theta_best
     best_len = 0
     for n, (a, _, _) in enumerate(pool, start=1):
         batch += 1
         tau += a
-        theta = tau * table.sps(batch)
+        theta = tau * table.sps(batch, num_requests, context_tokens)
         if theta > best:
             best, best_len = theta, n
         elif early_stop:
@@ -120,6 +122,7 @@ def plan_lagged_topk(
     conf_lagged: Sequence[Sequence[float]],
     table: SPSTable,
     extra_tokens: int = 0,
+    context_tokens: int | None = None,
 ) -> list[int]:
     """Brief section 3.3: budget K from lagged confidences by global argmax, spent on current top-K.
 
@@ -127,8 +130,8 @@ def plan_lagged_topk(
     number of drafts available now (first maximum wins). The K drafts with the largest current survival
     (prefix-respecting; zero-survival drafts are skipped, so fewer may be verified) are then verified.
     conf_lagged[r] is request r's confidence row from two rounds back; its values must not depend on
-    this round's drafts, which is what makes the unconstrained search lossless. extra_tokens: as in
-    plan_algorithm1 (R becomes R + extra_tokens in both factors).
+    this round's drafts, which is what makes the unconstrained search lossless. extra_tokens and
+    context_tokens: as in plan_algorithm1 (R becomes R + extra_tokens in both factors).
     """
     _check_conf(conf_now)
     _check_conf(conf_lagged)
@@ -141,10 +144,10 @@ def plan_lagged_topk(
     lagged = sorted((a for row in conf_lagged for a in survival(row)), reverse=True)
     base = num_requests + extra_tokens
     gain = float(base)
-    best, budget = gain * table.sps(base), 0
+    best, budget = gain * table.sps(base, num_requests, context_tokens), 0
     for k in range(1, cap + 1):
         gain += lagged[k - 1] if k - 1 < len(lagged) else 0.0
-        theta = gain * table.sps(base + k)
+        theta = gain * table.sps(base + k, num_requests, context_tokens)
         if theta > best:
             best, budget = theta, k
     pool = _survival_pool([survival(row) for row in conf_now])
@@ -170,23 +173,24 @@ def _check_batch(request_ids: Sequence[Hashable], conf: Sequence[Sequence[float]
 
 
 def speculation_pays(lagged: Sequence[Sequence[float]], table: SPSTable, draft_seconds: float,
-                     extra_tokens: int = 0) -> bool:
+                     extra_tokens: int = 0, context_tokens: int | None = None) -> bool:
     """Whether drafting this round is expected to beat plain decoding, drafting time included.
 
     Plain: R tokens per 1 / SPS(R) seconds. Speculating with a budget of K drafts: R + (sum of the K
     largest lagged survival probabilities) tokens per 1 / SPS(R + K) + draft_seconds. Inputs are fixed
     before this round's drafts exist, so skipping the drafter on this basis is lossless. extra_tokens
-    (prefill sharing the pass) add to R on both sides.
+    (prefill sharing the pass) add to R on both sides; context_tokens as in plan_algorithm1.
     """
     _check_conf(lagged)
     if not lagged:
         return False
-    r = len(lagged) + extra_tokens
-    plain = r * table.sps(r)
+    seqs = len(lagged)
+    r = seqs + extra_tokens
+    plain = r * table.sps(r, seqs, context_tokens)
     gain = float(r)
     for k, a in enumerate(sorted((a for row in lagged for a in survival(row)), reverse=True), start=1):
         gain += a
-        if gain / (1.0 / table.sps(r + k) + draft_seconds) > plain:
+        if gain / (1.0 / table.sps(r + k, seqs, context_tokens) + draft_seconds) > plain:
             return True
     return False
 
@@ -196,11 +200,13 @@ class Planner(ABC):
 
     @abstractmethod
     def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]],
-             extra_tokens: int = 0) -> list[int]:
+             extra_tokens: int = 0, context_tokens: int | None = None) -> list[int]:
         """Verify lengths l_r (0..len(conf[r])) for this round's requests; extra_tokens: other
-        tokens (prefill) sharing this round's verify pass."""
+        tokens (prefill) sharing this round's verify pass; context_tokens: the requests' cached
+        tokens in all (None: unknown)."""
 
-    def should_draft(self, request_ids: Sequence[str | int], extra_tokens: int = 0) -> bool:
+    def should_draft(self, request_ids: Sequence[str | int], extra_tokens: int = 0,
+                     context_tokens: int | None = None) -> bool:
         """Whether to run the drafter this round at all (asked before drafting)."""
         return True
 
@@ -212,7 +218,7 @@ class FixedPlanner(Planner):
     """Verify every draft (DFlash / n-gram baselines, static mode)."""
 
     def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]],
-             extra_tokens: int = 0) -> list[int]:
+             extra_tokens: int = 0, context_tokens: int | None = None) -> list[int]:
         """l_r = len(conf[r])."""
         _check_batch(request_ids, conf)
         return plan_fixed([len(row) for row in conf])
@@ -228,7 +234,7 @@ class ThresholdPlanner(Planner):
         self.threshold = threshold
 
     def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]],
-             extra_tokens: int = 0) -> list[int]:
+             extra_tokens: int = 0, context_tokens: int | None = None) -> list[int]:
         """l_r = number of leading drafts with c >= threshold."""
         _check_batch(request_ids, conf)
         return plan_threshold(conf, self.threshold)
@@ -290,7 +296,8 @@ class ThroughputPlanner(Planner):
             return None
         return [self.prior[min(k, len(self.prior) - 1)] for k in range(n)]
 
-    def should_draft(self, request_ids: Sequence[str | int], extra_tokens: int = 0) -> bool:
+    def should_draft(self, request_ids: Sequence[str | int], extra_tokens: int = 0,
+                     context_tokens: int | None = None) -> bool:
         """Draft unless speculation cannot pay this round (see speculation_pays). A new request is
         judged by the prior (with no prior, or no measured drafting time, the round drafts). A
         request that has gone `probe_every` rounds without drafts makes the round draft anyway, so
@@ -302,7 +309,7 @@ class ThroughputPlanner(Planner):
             hist = self._history.get(rid)
             latest.append(hist[-1] if hist else self.prior)  # None: no prior, so draft
         if (t is None or due or any(row is None for row in latest)
-                or speculation_pays(latest, self.table, t, extra_tokens)):
+                or speculation_pays(latest, self.table, t, extra_tokens, context_tokens)):
             for rid in request_ids:
                 self._undrafted[rid] = 0
             return True
@@ -311,11 +318,12 @@ class ThroughputPlanner(Planner):
         return False
 
     def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]],
-             extra_tokens: int = 0) -> list[int]:
+             extra_tokens: int = 0, context_tokens: int | None = None) -> list[int]:
         """Verify lengths for this round; the lagged variant also records conf for later rounds."""
         _check_batch(request_ids, conf)
         if self.variant == "algorithm1":
-            return plan_algorithm1(conf, self.table, early_stop=True, extra_tokens=extra_tokens)
+            return plan_algorithm1(conf, self.table, early_stop=True, extra_tokens=extra_tokens,
+                                   context_tokens=context_tokens)
         lagged: list[Sequence[float]] = []
         for rid, row in zip(request_ids, conf):
             hist = self._history.get(rid)
@@ -329,7 +337,7 @@ class ThroughputPlanner(Planner):
                 # survival 1 at every position (optimistic: it may over-verify for `lag` rounds,
                 # whereas 0 would force plain decoding on every new request's first rounds).
                 lagged.append(self._prior_row(len(row)) or [1.0] * len(row))
-        lengths = plan_lagged_topk(conf, lagged, self.table, extra_tokens)
+        lengths = plan_lagged_topk(conf, lagged, self.table, extra_tokens, context_tokens)
         for rid, row in zip(request_ids, conf):
             self._history.setdefault(rid, deque(maxlen=self.lag)).append([float(c) for c in row])
         return lengths

@@ -27,56 +27,124 @@ def default_sizes(max_tokens: int) -> list[int]:
     return sizes
 
 
+EXTRA_TOKENS = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # drafts per loaded step that get measured
+
+
+def default_seq_counts(max_seqs: int) -> list[int]:
+    """Sequence counts (>= 2) to profile loaded steps at: powers of two up to max_seqs, and max_seqs."""
+    counts, r = [], 2
+    while r < max_seqs:
+        counts.append(r)
+        r *= 2
+    return counts + [max_seqs] if max_seqs >= 2 else []
+
+
+def _windows(seqs: int, tokens: int, width: int) -> list[int]:
+    """Window lengths of a step of `tokens` over `seqs` sequences: one anchor each, drafts filling
+    whole windows of `width` in turn (the planner's top-K picks the most confident requests first)."""
+    lens, extra = [1] * seqs, tokens - seqs
+    for i in range(seqs):
+        add = min(extra, width - 1)
+        lens[i] += add
+        extra -= add
+    lens[-1] += extra  # only when tokens > seqs * width: more than the windows hold
+    return lens
+
+
 @torch.inference_mode()
-def profile_sps(decoder: Decoder, sizes: list[int], *, context: int = 128, repeats: int = 5,
-                progress: bool = True, name: str = "") -> SPSTable:
-    """Median steps/s of one verify forward of B new tokens (logits on every row) over a `context`-token cache."""
-    cache = decoder.new_cache(-(-(context + max(sizes)) // 16) + 1)
+def profile_sps(decoder: Decoder, sizes: list[int], *, seq_counts: list[int] = (), window: int = 8,
+                context: int = 256, repeats: int = 4, progress: bool = True, name: str = "") -> SPSTable:
+    """Median steps/s of one verify forward (logits on every row) over `context` cached tokens per
+    sequence: B new tokens of one sequence for B in `sizes`, and for each R in `seq_counts` a loaded
+    step of R sequences with 0..R * (window - 1) drafts (EXTRA_TOKENS). The cached keys are not
+    computed (attention costs the same whatever their values). The most loaded plain step is also
+    timed at twice the context: the table's kv_seconds, the step time per cached token, lets the
+    planner price steps over shorter or longer contexts. Every point is timed once per pass, after a
+    warm-up pass: a slow spell of a shared machine then hits all points alike instead of bending the
+    curve."""
+    seq_counts = sorted({r for r in seq_counts if r >= 2})
+    points = [[b] for b in sizes]
+    points += [_windows(r, r + e, window) for r in seq_counts for e in EXTRA_TOKENS if e <= r * (window - 1)]
+    widest = max(seq_counts, default=1)
+    jobs = [(lens, context) for lens in points] + [([1] * widest, context), ([1] * widest, 2 * context)]
+    biggest = max(sum(lens) for lens in points)
+    per_seq = -(-(2 * context + biggest) // 16)
+    cache = decoder.new_cache(per_seq * (1 + max(seq_counts, default=1)) + 1)
     dev = decoder.device
-    cache.reserve("p", context + max(sizes))
-    meta = cache.prepare(["p"], [context])
     gen = torch.Generator().manual_seed(0)
     vocab = decoder.config.vocab_size
-    decoder(torch.randint(vocab, (context,), generator=gen).to(dev), torch.arange(context, device=dev), cache, meta)
-    sps = {}
-    for b in tqdm(sizes, desc="profiling target steps/s", disable=not progress, file=sys.stderr):
-        ids = torch.randint(vocab, (b,), generator=gen).to(dev)
-        pos = torch.arange(context, context + b, device=dev)
-        rows = torch.arange(b, device=dev)
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            cache.reserve("p", context + b)  # truncate() below hands the tail blocks back
-            meta = cache.prepare(["p"], [b])
-            t = time.perf_counter()
-            decoder(ids, pos, cache, meta, logits_rows=rows)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-            cache.truncate("p", context)
-        sps[b] = 1.0 / statistics.median(times[1:])
-    for small, big in zip(sizes, sizes[1:]):  # more tokens never take less time: a faster reading
-        sps[big] = min(sps[big], sps[small])  # at a bigger size is timing noise, and would lure the planner
-    return SPSTable(sps, model=name, dtype=decoder.weight_format,
-                    threads=torch.get_num_threads(), torch_version=torch.__version__, device=str(dev))
+
+    def run(lens: list[int], ctx: int) -> float:
+        total = sum(lens)
+        ids = torch.randint(vocab, (total,), generator=gen).to(dev)
+        pos = torch.cat([torch.arange(ctx, ctx + n) for n in lens]).to(dev)
+        for r, n in enumerate(lens):
+            if cache.length(r) > ctx:
+                cache.truncate(r, ctx)
+            elif cache.length(r) < ctx:  # mark the context as written (its values do not matter)
+                cache.reserve(r, ctx)
+                cache.prepare([r], [ctx - cache.length(r)])
+            cache.reserve(r, ctx + n)  # truncate() below hands the tail blocks back
+        meta = cache.prepare(list(range(len(lens))), lens)
+        t = time.perf_counter()
+        decoder(ids, pos, cache, meta, logits_rows=torch.arange(total, device=dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+        for r in range(len(lens)):
+            cache.truncate(r, ctx)
+        return elapsed
+
+    times: list[list[float]] = [[] for _ in jobs]
+    with tqdm(total=len(jobs) * (repeats + 1), desc="profiling target steps/s", disable=not progress,
+              file=sys.stderr) as bar:
+        for p in range(repeats + 1):  # pass 0 warms up
+            for i, (lens, ctx) in enumerate(jobs):
+                elapsed = run(lens, ctx)
+                if p:
+                    times[i].append(elapsed)
+                bar.update()
+    kv_seconds = max(0.0, statistics.median(times[-1]) - statistics.median(times[-2])) / (widest * context)
+    sps: dict[int, float] = {}
+    by_seqs: dict[int, dict[int, float]] = {}
+    for lens, t in zip(points, times):
+        (sps if len(lens) == 1 else by_seqs.setdefault(len(lens), {}))[sum(lens)] = 1.0 / statistics.median(t)
+    return SPSTable(_monotone(sps), by_seqs={r: _monotone(pts) for r, pts in by_seqs.items()}, context=context,
+                    kv_seconds=kv_seconds, model=name,
+                    dtype=decoder.weight_format, threads=torch.get_num_threads(), torch_version=torch.__version__,
+                    device=str(dev))
 
 
-def table_cache_path(model_path: Path, decoder: Decoder, max_tokens: int) -> Path:
+def _monotone(points: dict[int, float]) -> dict[int, float]:
+    """More tokens never take less time: a faster reading at a bigger size is timing noise, and would
+    lure the planner."""
+    out, best = {}, float("inf")
+    for size in sorted(points):
+        best = min(best, points[size])
+        out[size] = best
+    return out
+
+
+def table_cache_path(model_path: Path, decoder: Decoder, max_tokens: int, max_seqs: int = 1) -> Path:
     """Where the cached table for this model / dtype / threads / device / torch version lives."""
     key = "|".join([str(Path(model_path).resolve()), decoder.weight_format, str(torch.get_num_threads()),
-                    str(decoder.device), torch.__version__, str(max_tokens)])
+                    str(decoder.device), torch.__version__, str(max_tokens), f"seqs={max_seqs}", "ctx=256"])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return dspark_home() / "sps" / f"{Path(model_path).name}-{digest}.json"
 
 
-def load_or_profile(model_path: Path, decoder: Decoder, max_tokens: int, *, progress: bool = True) -> SPSTable:
-    """The cached SPS table for this set-up, profiling once (seconds) if there is none."""
-    path = table_cache_path(model_path, decoder, max_tokens)
+def load_or_profile(model_path: Path, decoder: Decoder, max_tokens: int, *, max_seqs: int = 1, window: int = 8,
+                    progress: bool = True) -> SPSTable:
+    """The cached SPS table for this set-up (one-sequence steps up to max_tokens, loaded steps of up to
+    max_seqs sequences with windows up to `window` tokens), profiling once (seconds) if there is none."""
+    path = table_cache_path(model_path, decoder, max_tokens, max_seqs)
     if path.is_file():
         try:
             return SPSTable.load(path)
         except ValueError:
             pass  # a damaged cache entry: measure again
-    table = profile_sps(decoder, default_sizes(max_tokens), progress=progress, name=Path(model_path).name)
+    table = profile_sps(decoder, default_sizes(max_tokens), seq_counts=default_seq_counts(max_seqs), window=window,
+                        progress=progress, name=Path(model_path).name)
     path.parent.mkdir(parents=True, exist_ok=True)
     table.save(path)
     return table
