@@ -263,3 +263,15 @@ def test_longer_contexts_make_drafts_relatively_cheaper() -> None:
     conf = [[0.55, 0.9], [0.55, 0.9]]  # one draft per request adds 1.1 tokens for 20 ms
     assert plan_algorithm1(conf, table, context_tokens=200) == [0, 0]  # 40 ms -> 3.1 tokens in 40: no
     assert plan_algorithm1(conf, table, context_tokens=4200) != [0, 0]  # 60 ms base: 3.1 in 80 ms beats 2 in 60
+
+
+def test_probes_are_rare_where_even_the_prior_cannot_pay() -> None:
+    table = SPSTable({1: 10.0, 2: 9.5, 4: 9.0, 8: 8.0})
+    def probes(prior: list[float]) -> list[bool]:
+        planner = ThroughputPlanner(table, draft_seconds={1: 0.01}, probe_every=3, idle_probe_every=6, prior=prior)
+        planner.plan(["r"], [[0.05, 0.05]])  # the request's own confidences: nothing pays
+        return [planner.should_draft(["r"]) for _ in range(12)]
+    assert probes([0.9, 0.8]) == [False, False, True] * 4  # the prior pays: probe every 3 rounds
+    assert probes([0.1, 0.01]) == ([False] * 5 + [True]) * 2  # it does not: every 6
+    with pytest.raises(ValueError, match="idle_probe_every"):
+        ThroughputPlanner(table, probe_every=8, idle_probe_every=4)

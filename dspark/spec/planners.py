@@ -245,7 +245,7 @@ class ThroughputPlanner(Planner):
 
     def __init__(self, table: SPSTable | None, variant: str = "lagged", lag: int = 2,
                  draft_seconds: dict[int, float] | None = None, probe_every: int = 8,
-                 prior: Sequence[float] | None = None) -> None:
+                 prior: Sequence[float] | None = None, idle_probe_every: int = 32) -> None:
         """variant in {"lagged", "algorithm1"}; lag = rounds between a confidence row and its use.
 
         draft_seconds: measured time of one drafting pass per batch size. With it, the drafter is
@@ -257,7 +257,9 @@ class ThroughputPlanner(Planner):
         confidences until it has its own: the rates measured on the drafter's held-out calibration
         logs (sts.json "survival_rate"). Fixed before any request runs, so using it is lossless and
         keeps seeded runs reproducible. Without one, a new request is assumed to keep every draft
-        (survival 1) and always drafts.
+        (survival 1) and always drafts. Where even the prior cannot pay at the round's load (a long
+        batch: every draft costs more than a typical one brings), probes come only every
+        `idle_probe_every` rounds: a probe is a full drafting pass, and most find nothing to verify.
         """
         if table is None:
             raise ValueError("the throughput planner needs a profiled SPS table (got None)")
@@ -265,9 +267,11 @@ class ThroughputPlanner(Planner):
             raise ValueError(f"unknown throughput variant {variant!r}; choose from {THROUGHPUT_VARIANTS}")
         if lag < 1:
             raise ValueError(f"lag must be >= 1 round, got {lag}")
-        if probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1 round, got {probe_every}")
+        if probe_every < 1 or idle_probe_every < probe_every:
+            raise ValueError(f"probe_every must be >= 1 round and idle_probe_every >= probe_every, "
+                             f"got {probe_every} and {idle_probe_every}")
         self.table, self.variant, self.lag, self.probe_every = table, variant, lag, probe_every
+        self.idle_probe_every = idle_probe_every
         self.prior = _conditional(prior) if prior else None
         self.draft_table = dict(sorted((draft_seconds or {}).items()))
         # request id -> confidence rows of its last `lag` rounds, oldest first
@@ -300,15 +304,21 @@ class ThroughputPlanner(Planner):
                      context_tokens: int | None = None) -> bool:
         """Draft unless speculation cannot pay this round (see speculation_pays). A new request is
         judged by the prior (with no prior, or no measured drafting time, the round drafts). A
-        request that has gone `probe_every` rounds without drafts makes the round draft anyway, so
-        its confidences stay current."""
+        request that has gone `probe_every` rounds without drafts (`idle_probe_every` where the
+        prior cannot pay at this load) makes the round draft anyway, so its confidences stay current."""
         t = self.draft_seconds(len(request_ids))
-        due = any(self._undrafted.get(rid, 0) + 1 >= self.probe_every for rid in request_ids)
+        if t is None:
+            return True
+        every = self.probe_every
+        if self.prior is not None and not speculation_pays([self.prior] * len(request_ids), self.table, t,
+                                                           extra_tokens, context_tokens):
+            every = self.idle_probe_every
+        due = any(self._undrafted.get(rid, 0) + 1 >= every for rid in request_ids)
         latest = []
         for rid in request_ids:
             hist = self._history.get(rid)
             latest.append(hist[-1] if hist else self.prior)  # None: no prior, so draft
-        if (t is None or due or any(row is None for row in latest)
+        if (due or any(row is None for row in latest)
                 or speculation_pays(latest, self.table, t, extra_tokens, context_tokens)):
             for rid in request_ids:
                 self._undrafted[rid] = 0
