@@ -61,8 +61,8 @@ def generate(args) -> int:
     from dspark import LLM
 
     params = _sampling(args)
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-              **speculative_kwargs(args))
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device, max_num_seqs=1,
+              **speculative_kwargs(args))  # one prompt: the planner's cost table needs no loaded steps
     prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     start = time.perf_counter()
     shown, out = "", None

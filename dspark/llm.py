@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence as Seq
 
-import torch
-
 from dspark.cache import KVCache
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.scheduler import SchedulerConfig

@@ -210,3 +210,22 @@ def test_accepted_drafts_feed_the_drafter_context(tiny_llama_dir, drafters, sps_
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain
     assert llm.engine.stats.accepted >= len(PROMPTS) * 2
+
+
+def test_sts_path_offset_replaces_the_checkpoints_own(tiny_llama_dir, drafters, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    src = tmp_path / "d"
+    shutil.copytree(drafters["DSPARK"], src)
+    base = load_file(str(src / "model.safetensors"))["confidence_head.proj.bias"]
+    (src / "sts.json").write_text(json.dumps({"temperatures": [1.0] * 4, "logit_offset": 0.5}))
+    (tmp_path / "other.json").write_text(json.dumps({"temperatures": [2.0] * 4, "logit_offset": -0.25}))
+
+    def bias(**kw):
+        llm = LLM(tiny_llama_dir, kv_cache_mb=8, speculative_algorithm="DSPARK", draft_model=src, planner="fixed", **kw)
+        return llm.engine.proposer.drafter.confidence_head.proj.bias.detach()
+
+    torch.testing.assert_close(bias(), base + 0.5)
+    torch.testing.assert_close(bias(sts_path=tmp_path / "other.json"), base - 0.25)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,11 +82,12 @@ def load_drafter(cls: type["DSparkDrafter"], directory: str | Path, embed_weight
     """Rebuild a drafter from save_drafter's files around the target's embedding and LM head."""
     src = Path(directory)
     config, metadata = parse_config(json.loads((src / CONFIG).read_text()), src)
-    tensors = load_file(str(src / WEIGHTS))
+    tensors = fold_sts_offset(load_file(str(src / WEIGHTS)), src / STS)
     model = cls(config, embed_weight, lm_head_weight, d2t=tensors.get("d2t"))
     model.load_state_dict(tensors, strict=True)
     model.metadata = metadata
     model.sts_temperatures = read_sts(src / STS)
+    model.sts_offset = read_sts_offset(src / STS)
     model.survival_prior = read_survival_prior(src / STS)
     return model
 
@@ -99,6 +101,33 @@ def read_sts(path: Path) -> list[float] | None:
     if not isinstance(temps, list) or not all(isinstance(t, (int, float)) and t > 0 for t in temps):
         raise ValueError(f"{path}: temperatures must be a list of positive numbers")
     return [float(t) for t in temps]
+
+
+def read_sts_offset(path: Path) -> float:
+    """The shared confidence-logit offset of an sts.json ("logit_offset", 0 if absent)."""
+    if not path.exists():
+        return 0.0
+    data = json.loads(path.read_text())
+    off = data.get("logit_offset", 0.0) if isinstance(data, dict) else 0.0
+    if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off):
+        raise ValueError(f"{path}: logit_offset must be a finite number, got {off!r}")
+    return float(off)
+
+
+CONF_BIAS = "confidence_head.proj.bias"
+
+
+def fold_sts_offset(tensors: dict[str, torch.Tensor], sts_path: Path) -> dict[str, torch.Tensor]:
+    """Tensors with sts.json's logit offset added to the confidence head's bias (unchanged without one).
+
+    The offset shifts every confidence logit, which is exactly a shift of that bias; folded in at load,
+    the engine and every exported layout keep temperature-only STS."""
+    off = read_sts_offset(sts_path)
+    if not off:
+        return tensors
+    if CONF_BIAS not in tensors:
+        raise ValueError(f"{sts_path}: a logit_offset needs a drafter with a confidence head")
+    return {**tensors, CONF_BIAS: tensors[CONF_BIAS] + off}
 
 
 def read_survival_prior(path: Path) -> list[float] | None:

@@ -65,6 +65,7 @@ class DSparkDrafter(Backbone):
         self.metadata: dict[str, Any] = {}  # passthrough "dspark" dict of config.json (training recipe...)
         self.sts_temperatures: list[float] | None = None
         self.survival_prior: list[float] | None = None  # sts.json "survival_rate": the planner's prior
+        self.sts_offset = 0.0  # sts.json "logit_offset", already folded into the confidence head's bias
         self.init_weights()
         # One dtype for weights and the shared buffers (default: the target's), so no per-call casts.
         self.to(device=embed_weight.device, dtype=dtype or embed_weight.dtype)

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from dspark.drafters.config import DrafterConfig
-from dspark.drafters.io import CONFIG, STS, read_sts
+from dspark.drafters.io import CONFIG
 from dspark.drafters.model import DSparkDrafter
 from dspark.interop.layout import (Tensors, join_mlp, prepare_output, read_json, read_weights, split_mlp,
                                    strip_prefix, target_embedding, target_lm_head, write_checkpoint)
-from dspark.interop.parts import DrafterParts, read_dspark, write_dspark, write_sts
+from dspark.interop.parts import DrafterParts, read_dspark, sts_parts, write_dspark, write_sts
 from dspark.interop.speculators import rope_theta
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -63,7 +63,7 @@ def read_deepspec(src: Path, weights: Tensors | None = None) -> DrafterParts:
     config, metadata = drafter_config(read_json(src / CONFIG), str(src / CONFIG))
     weights = strip_prefix(read_weights(src)) if weights is None else weights
     tensors = join_mlp({k: v for k, v in weights.items() if k not in SHARED})
-    return DrafterParts(config, tensors, metadata, read_sts(src / STS)).validate(str(src))
+    return sts_parts(src, config, tensors, metadata).validate(str(src))
 
 
 def drafter_config(raw: dict[str, Any], source: str) -> tuple[DrafterConfig, dict[str, Any]]:

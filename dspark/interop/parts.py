@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from dspark.drafters.config import DrafterConfig
-from dspark.drafters.io import CONFIG, STS, WEIGHTS, config_dict, parse_config, read_sts
+from dspark.drafters.io import (CONFIG, STS, WEIGHTS, config_dict, fold_sts_offset, parse_config, read_sts,
+                                read_sts_offset)
 from dspark.drafters.model import DSparkDrafter
 from dspark.interop.layout import Tensors, check_tensors, read_json, write_checkpoint, write_json
 
@@ -23,6 +24,7 @@ class DrafterParts:
     tensors: Tensors  # dspark state_dict names (d2t holds absolute target ids [Vd])
     metadata: dict[str, Any] = field(default_factory=dict)
     sts: list[float] | None = None  # per-position STS temperatures
+    sts_offset: float = 0.0  # sts.json's logit offset, already folded into the tensors' confidence-head bias
 
     def validate(self, source: str) -> DrafterParts:
         """Raise ValueError unless the tensors are exactly those of DSparkDrafter(config)."""
@@ -35,13 +37,20 @@ class DrafterParts:
         model.load_state_dict(self.tensors, strict=True)
         model.metadata = copy.deepcopy(self.metadata)
         model.sts_temperatures = list(self.sts) if self.sts else None
+        model.sts_offset = self.sts_offset
         return model
 
 
 def read_dspark(src: Path) -> DrafterParts:
     """A dspark-format drafter dir (drafters/io.py layout) without building the model."""
     config, metadata = parse_config(read_json(src / CONFIG), src)
-    return DrafterParts(config, load_file(str(src / WEIGHTS)), metadata, read_sts(src / STS))
+    return sts_parts(src, config, load_file(str(src / WEIGHTS)), metadata)
+
+
+def sts_parts(src: Path, config: DrafterConfig, tensors: Tensors, metadata: dict[str, Any]) -> DrafterParts:
+    """DrafterParts with the STS side file of `src` applied: temperatures kept, logit offset folded in."""
+    return DrafterParts(config, fold_sts_offset(tensors, src / STS), metadata, read_sts(src / STS),
+                        read_sts_offset(src / STS))
 
 
 def write_dspark(dst: Path, parts: DrafterParts) -> None:

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from dspark.drafters.config import DrafterConfig
-from dspark.drafters.io import CONFIG, STS, read_sts
+from dspark.drafters.io import CONFIG
 from dspark.interop.layout import (Tensors, join_mlp, prepare_output, read_json, read_weights, split_mlp,
                                    target_lm_head, write_checkpoint)
-from dspark.interop.parts import DrafterParts, read_dspark, write_dspark, write_sts
+from dspark.interop.parts import DrafterParts, read_dspark, sts_parts, write_dspark, write_sts
 
 SPECULATORS_VERSION = "0.9.0"  # the schema these files follow (checked against that release)
 MODEL_TYPES = ("dspark", "dflash")
@@ -168,7 +168,7 @@ def read_speculators(src: Path) -> DrafterParts:
     raw = read_json(src / CONFIG)
     config, metadata = drafter_config(raw, str(src / CONFIG))
     tensors = dspark_tensors(read_weights(src), config, str(src))
-    return DrafterParts(config, tensors, metadata, read_sts(src / STS)).validate(str(src))
+    return sts_parts(src, config, tensors, metadata).validate(str(src))
 
 
 def drafter_config(raw: dict[str, Any], source: str) -> tuple[DrafterConfig, dict[str, Any]]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from dspark.models.decoder import Decoder
 from dspark.models.embedded import embedded_model_dir
 from dspark.models.packing import packing_supported
@@ -58,6 +60,16 @@ def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -
     sts = read_sts(Path(cfg.sts_path)) if cfg.sts_path else None
     if cfg.sts_path and sts is None:
         raise FileNotFoundError(f"STS file {cfg.sts_path!r} not found")
+    if cfg.sts_path:  # its logit offset replaces the one folded in from the checkpoint's own sts.json
+        from dspark.drafters.io import read_sts_offset
+
+        offset = read_sts_offset(Path(cfg.sts_path))
+        if offset != drafter.sts_offset:
+            if drafter.confidence_head is None:
+                raise ValueError(f"{cfg.sts_path}: a logit_offset needs a drafter with a confidence head")
+            with torch.no_grad():
+                drafter.confidence_head.proj.bias += offset - drafter.sts_offset
+            drafter.sts_offset = offset
     return BlockDrafterProposer(drafter, sts, max_drafts=cfg.block_size)
 
 

@@ -17,7 +17,6 @@ def ece(pred: np.ndarray, label: np.ndarray, bins: int = 15) -> float:
     if len(pred) == 0:
         return 0.0
     idx = np.minimum((pred * bins).astype(np.int64), bins - 1)
-    n = np.bincount(idx, minlength=bins)
     sp = np.bincount(idx, weights=pred, minlength=bins)
     sl = np.bincount(idx, weights=label, minlength=bins)
     return float(np.abs(sp - sl).sum() / len(pred))
@@ -27,18 +26,53 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(x, -60, 60)))
 
 
-def prefix_probs(logits: np.ndarray, temps: np.ndarray) -> np.ndarray:
-    """a_k = prod_{i<=k} sigmoid(z_i / T_i): logits [N, gamma] -> [N, gamma]."""
-    return np.cumprod(_sigmoid(logits / temps[None, :]), axis=1)
+def prefix_probs(logits: np.ndarray, temps: np.ndarray, offset: float = 0.0) -> np.ndarray:
+    """a_k = prod_{i<=k} sigmoid((z_i + offset) / T_i): logits [N, gamma] -> [N, gamma]."""
+    return np.cumprod(_sigmoid((logits + offset) / temps[None, :]), axis=1)
+
+
+def position_ece(logits: np.ndarray, survived: np.ndarray, valid: np.ndarray, temps, offset: float = 0.0,
+                 bins: int = 15) -> list[float]:
+    """ECE of the prefix-survival probability at each position (e.g. on logs the fit never saw)."""
+    a = prefix_probs(logits, np.asarray(temps, dtype=np.float64), offset)
+    return [round(ece(a[valid[:, k].astype(bool), k], survived[valid[:, k].astype(bool), k].astype(np.float64),
+                      bins), 5) for k in range(logits.shape[1])]
+
+
+OFFSETS = np.round(np.arange(-3.0, 3.0001, 0.25), 4)  # coarse shared logit offsets (includes 0), refined by 0.05
 
 
 def fit_sts(logits: np.ndarray, survived: np.ndarray, valid: np.ndarray, bins: int = 15,
-            grid: np.ndarray = GRID, tie: float = 5e-4) -> dict[str, Any]:
+            grid: np.ndarray = GRID, tie: float = 5e-4, offsets: np.ndarray | None = None) -> dict[str, Any]:
     """Left-to-right 1-D grid search of T_k minimising the ECE of a_{k-1}^cal * sigmoid(z_k / T_k).
 
     logits [N, gamma] confidence logits; survived [N, gamma] 1 if drafts 1..k were all accepted;
     valid [N, gamma] whether position k of that block was verifiable (inside the sequence).
+
+    offsets: candidate logit offsets b shared by all positions (z_k -> (z_k + b) / T_k). A temperature
+    cannot move a biased head's probabilities across 0.5 (sigmoid(z / T) keeps the sign of z); an
+    offset can. Each candidate gets its own temperature fit, and the one with the smallest worst-position
+    ECE wins (near-ties: the smallest |b|). The offset is a shift of the confidence head's bias, so it
+    folds into the checkpoint (see drafters/io.py) and exported drafters keep temperature-only STS.
     """
+    if offsets is None:
+        return _fit_temperatures(logits, survived, valid, bins, grid, tie) | {"logit_offset": 0.0}
+
+    def search(candidates: np.ndarray) -> tuple[float, dict[str, Any]]:
+        fits = [(float(b), _fit_temperatures(logits + b, survived, valid, bins, grid, tie)) for b in candidates]
+        worst = np.array([max(f["ece_after"]) for _, f in fits])
+        near = np.flatnonzero(worst <= worst.min() + tie)
+        return fits[int(near[np.argmin(np.abs(np.asarray(candidates)[near]))])]
+
+    coarse, _ = search(np.asarray(offsets))  # then every 0.05 within one coarse step of the winner
+    step = float(np.min(np.diff(np.sort(offsets)))) if len(offsets) > 1 else 0.0
+    b, best = search(np.round(np.arange(coarse - step, coarse + step + 1e-9, 0.05), 4) if step else [coarse])
+    best["ece_before"] = _fit_temperatures(logits, survived, valid, bins, np.ones(1), tie)["ece_after"]
+    return best | {"logit_offset": round(float(b), 4)}
+
+
+def _fit_temperatures(logits: np.ndarray, survived: np.ndarray, valid: np.ndarray, bins: int,
+                      grid: np.ndarray, tie: float) -> dict[str, Any]:
     n, gamma = logits.shape
     temps = np.ones(gamma)
     before, after = [], []
@@ -64,9 +98,10 @@ def fit_sts(logits: np.ndarray, survived: np.ndarray, valid: np.ndarray, bins: i
 
 
 @torch.no_grad()
-def greedy_logs(drafter, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def greedy_logs(drafter, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Offline greedy verification: draft every anchored block left to right (the drafter's own picks feed
-    the sequential heads), compare to the target's greedy continuation (the data) -> logits, survived, valid.
+    the sequential heads), compare to the target's greedy continuation (the data) -> logits, survived,
+    valid, and the index of the sequence each block came from (in the order the batches yield them).
 
     batches yields (ctx_features [B,S,m*d], ids [B,S], anchor_pos [B,A], anchor_valid [B,A], loss_mask [B,S]).
     """
@@ -75,9 +110,12 @@ def greedy_logs(drafter, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if drafter.confidence_head is None:
         raise ValueError("this drafter has no confidence head: nothing to calibrate")
     g = drafter.config.block_size
-    out_z, out_s, out_v = [], [], []
+    out_z, out_s, out_v, out_q = [], [], [], []
+    seen = 0
     for ctx_f, ids, anchor_pos, anchor_valid, loss_mask in batches:
         b, s = ids.shape
+        seq = (seen + torch.arange(b)).repeat_interleave(anchor_pos.shape[1])
+        seen += b
         pos = torch.where(anchor_valid, anchor_pos, 0)
         ctx = drafter.context_kv(ctx_f, torch.arange(s).expand(b, s))
         positions = block_positions(pos, g)
@@ -101,11 +139,12 @@ def greedy_logs(drafter, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         out_z.append(torch.stack(zs, 1)[keep].float().numpy())
         out_s.append(hit.long().cumprod(1)[keep].numpy())
         out_v.append(valid[keep].numpy())
-    return np.concatenate(out_z), np.concatenate(out_s), np.concatenate(out_v)
+        out_q.append(seq[keep].numpy())
+    return np.concatenate(out_z), np.concatenate(out_s), np.concatenate(out_v), np.concatenate(out_q)
 
 
 def reliability_png(logits: np.ndarray, survived: np.ndarray, valid: np.ndarray, temps: list[float],
-                    path: str | Path, bins: int = 15) -> None:
+                    path: str | Path, bins: int = 15, offset: float = 0.0) -> None:
     """Reliability diagram of the prefix-survival probability per position, before and after STS."""
     import matplotlib
 
@@ -114,8 +153,9 @@ def reliability_png(logits: np.ndarray, survived: np.ndarray, valid: np.ndarray,
 
     gamma = logits.shape[1]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharey=True)
-    for ax, t, title in ((axes[0], np.ones(gamma), "before STS"), (axes[1], np.asarray(temps), "after STS")):
-        a = prefix_probs(logits, t)
+    for ax, t, b, title in ((axes[0], np.ones(gamma), 0.0, "before STS"),
+                            (axes[1], np.asarray(temps), offset, "after STS")):
+        a = prefix_probs(logits, t, b)
         for k in range(gamma):
             m = valid[:, k].astype(bool)
             p, y = a[m, k], survived[m, k]
@@ -176,16 +216,24 @@ def run_from_args(args: argparse.Namespace) -> int:
                 t_ap[r, :len(an)], t_av[r, :len(an)] = an, True
             yield t_hid, t_ids, t_ap, t_av, t_mask
 
-    z, surv, valid = greedy_logs(drafter, batches())
-    res = fit_sts(z, surv, valid, bins=args.bins)
+    z, surv, valid, seq = greedy_logs(drafter, batches())
+    # Fit on half the held-out sequences, measure on the other half: the reported ECE is on logs the fit never saw.
+    fit, test = seq % 2 == 0, seq % 2 == 1
+    res = fit_sts(z[fit], surv[fit], valid[fit], bins=args.bins, offsets=OFFSETS if args.offset else None)
+    res["ece_test_before"] = position_ece(z[test], surv[test], valid[test], np.ones(z.shape[1]), 0.0, args.bins)
+    res["ece_test_after"] = position_ece(z[test], surv[test], valid[test], res["temperatures"],
+                                         res["logit_offset"], args.bins)
+    res["survival_rate"] = [round(float(surv[valid[:, k].astype(bool), k].mean()), 4) if valid[:, k].any() else None
+                            for k in range(z.shape[1])]
     res["sampling"] = "greedy"
-    res["source"] = f"held-out split (every {args.val_every_nth}th sequence) of {Path(args.data).name}"
+    res["source"] = (f"held-out split (every {args.val_every_nth}th sequence) of {Path(args.data).name}: "
+                     f"fit on its even sequences, ece_test_* on its odd ones")
     out = Path(args.out) if args.out else Path(args.drafter) / "sts.json"
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(format_table(res))
     png = Path(args.png) if args.png else out.with_name("reliability.png")
     try:
-        reliability_png(z, surv, valid, res["temperatures"], png, args.bins)
+        reliability_png(z[test], surv[test], valid[test], res["temperatures"], png, args.bins, res["logit_offset"])
         print(f"wrote {out} and {png}")
     except ImportError:
         print(f"wrote {out} (matplotlib not installed: no reliability diagram)")
@@ -214,9 +262,15 @@ def _cached_hidden(args: argparse.Namespace, held: list[int], feat_name: str) ->
 
 
 def format_table(res: dict[str, Any]) -> str:
-    """Per-position ECE before/after, temperature and survival rate as a text table."""
-    lines = [f"{'k':>2} {'T_k':>8} {'ECE before':>11} {'ECE after':>10} {'survival':>9} {'n':>7}"]
+    """Per-position temperature, ECE before/after (on the fit logs, and on the test logs where measured)
+    and survival rate as a text table."""
+    test = "ece_test_after" in res
+    head = f"{'k':>2} {'T_k':>8} {'ECE before':>11} {'ECE after':>10}"
+    head += f" {'test before':>12} {'test after':>11}" if test else ""
+    lines = [f"logit offset {res.get('logit_offset', 0.0):+.2f}", head + f" {'survival':>9} {'n':>7}"]
     for k, t in enumerate(res["temperatures"]):
-        lines.append(f"{k + 1:>2} {t:>8.3f} {100 * res['ece_before'][k]:>10.2f}% {100 * res['ece_after'][k]:>9.2f}% "
-                     f"{res['survival_rate'][k] or 0:>9.3f} {res['samples'][k]:>7}")
+        row = f"{k + 1:>2} {t:>8.3f} {100 * res['ece_before'][k]:>10.2f}% {100 * res['ece_after'][k]:>9.2f}%"
+        if test:
+            row += f" {100 * res['ece_test_before'][k]:>11.2f}% {100 * res['ece_test_after'][k]:>10.2f}%"
+        lines.append(row + f" {res['survival_rate'][k] or 0:>9.3f} {res['samples'][k]:>7}")
     return "\n".join(lines)
