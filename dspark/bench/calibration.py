@@ -42,8 +42,11 @@ def load_calibration(path: str | Path | None) -> dict | None:
     if not isinstance(data, dict):
         return None
     ece = data.get("ece")
-    before = _floats(data.get("ece_before")) or (_floats(ece.get("before")) if isinstance(ece, dict) else None)
-    after = _floats(data.get("ece_after")) or (_floats(ece.get("after")) if isinstance(ece, dict) else _floats(ece))
+    held_out = bool(_floats(data.get("ece_test_after")))  # measured on logs the fit never saw: report those
+    before = _floats(data.get("ece_test_before" if held_out else "ece_before")) or (
+        _floats(ece.get("before")) if isinstance(ece, dict) else None)
+    after = _floats(data.get("ece_test_after" if held_out else "ece_after")) or (
+        _floats(ece.get("after")) if isinstance(ece, dict) else _floats(ece))
     rel = data.get("reliability")
     rel_before, rel_after = (_bins(rel.get("before")), _bins(rel.get("after"))) if isinstance(rel, dict) \
         else (None, _bins(rel))
@@ -51,5 +54,5 @@ def load_calibration(path: str | Path | None) -> dict | None:
         return None
     diagram = Path(path).with_name("reliability.png")  # drawn by `dspark train calibrate` next to sts.json
     return {"source": str(path), "temperatures": _floats(data.get("temperatures")), "ece_before": before,
-            "ece_after": after, "reliability_before": rel_before, "reliability_after": rel_after,
+            "ece_after": after, "held_out": held_out, "reliability_before": rel_before, "reliability_after": rel_after,
             "diagram": str(diagram) if diagram.is_file() else None}

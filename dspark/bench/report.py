@@ -173,7 +173,8 @@ def _race(race: dict) -> list[str]:
 
 
 def _calibration(cal: dict) -> list[str]:
-    lines = ["## Calibration", "", f"From `{cal['source']}`.", ""]
+    where = " (ECE on the held-out logs the fit never saw)" if cal.get("held_out") else ""
+    lines = ["## Calibration", "", f"From `{cal['source']}`{where}.", ""]
     n = max(len(cal.get("ece_before") or []), len(cal.get("ece_after") or []))
     if n:
         pct = lambda xs, j: _f(xs[j] * 100 if xs and j < len(xs) else None, ".1f")  # noqa: E731
