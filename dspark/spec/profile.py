@@ -1,6 +1,6 @@
-"""Measure the target's steps/second per verify batch size (tokens): the SPS table the throughput
-planner reads. Cached under $DSPARK_HOME/sps keyed by model, dtype and weight format, threads, device
-and torch version."""
+"""Measure the target's steps/second per verify batch (tokens, and sequences sharing the step): the SPS
+table the throughput planner reads. Cached under $DSPARK_HOME/sps keyed by model, dtype and weight
+format, threads, device, torch version and the largest batch profiled."""
 from __future__ import annotations
 
 import hashlib
