@@ -67,7 +67,7 @@ def test_logit_offset_is_folded_into_the_confidence_bias(tmp_path):
     from safetensors.torch import load_file
 
     from dspark.drafters import DrafterConfig, DSparkDrafter
-    from dspark.drafters.io import CONF_BIAS, fold_sts_offset
+    from dspark.drafters.io import CONF_BIAS, fold_sts_offset, read_sts_offset
     from dspark.interop.parts import read_dspark
 
     cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -90,7 +90,7 @@ def test_logit_offset_is_folded_into_the_confidence_bias(tmp_path):
     torch.testing.assert_close(again.confidence_head.proj.bias.detach(), bias - 0.75)
     (tmp_path / "bad.json").write_text(json.dumps({"temperatures": [1.0], "logit_offset": "high"}))
     with pytest.raises(ValueError, match="logit_offset"):
-        fold_sts_offset({CONF_BIAS: bias}, tmp_path / "bad.json")
+        fold_sts_offset({CONF_BIAS: bias}, read_sts_offset(tmp_path / "bad.json"), tmp_path / "bad.json")
     (tmp_path / "s.json").write_text(json.dumps({"temperatures": [1.0], "logit_offset": 0.5}))
     with pytest.raises(ValueError, match="confidence head"):
-        fold_sts_offset({}, tmp_path / "s.json")
+        fold_sts_offset({}, read_sts_offset(tmp_path / "s.json"), tmp_path / "s.json")

@@ -82,12 +82,13 @@ def load_drafter(cls: type["DSparkDrafter"], directory: str | Path, embed_weight
     """Rebuild a drafter from save_drafter's files around the target's embedding and LM head."""
     src = Path(directory)
     config, metadata = parse_config(json.loads((src / CONFIG).read_text()), src)
-    tensors = fold_sts_offset(load_file(str(src / WEIGHTS)), src / STS)
+    offset = read_sts_offset(src / STS)
+    tensors = fold_sts_offset(load_file(str(src / WEIGHTS)), offset, src / STS)
     model = cls(config, embed_weight, lm_head_weight, d2t=tensors.get("d2t"))
     model.load_state_dict(tensors, strict=True)
     model.metadata = metadata
     model.sts_temperatures = read_sts(src / STS)
-    model.sts_offset = read_sts_offset(src / STS)
+    model.sts_offset = offset
     model.survival_prior = read_survival_prior(src / STS)
     return model
 
@@ -117,17 +118,16 @@ def read_sts_offset(path: Path) -> float:
 CONF_BIAS = "confidence_head.proj.bias"
 
 
-def fold_sts_offset(tensors: dict[str, torch.Tensor], sts_path: Path) -> dict[str, torch.Tensor]:
-    """Tensors with sts.json's logit offset added to the confidence head's bias (unchanged without one).
+def fold_sts_offset(tensors: dict[str, torch.Tensor], offset: float, source: Path) -> dict[str, torch.Tensor]:
+    """Tensors with a logit offset (read_sts_offset of `source`) added to the confidence head's bias.
 
     The offset shifts every confidence logit, which is exactly a shift of that bias; folded in at load,
     the engine and every exported layout keep temperature-only STS."""
-    off = read_sts_offset(sts_path)
-    if not off:
+    if not offset:
         return tensors
     if CONF_BIAS not in tensors:
-        raise ValueError(f"{sts_path}: a logit_offset needs a drafter with a confidence head")
-    return {**tensors, CONF_BIAS: tensors[CONF_BIAS] + off}
+        raise ValueError(f"{source}: a logit_offset needs a drafter with a confidence head")
+    return {**tensors, CONF_BIAS: tensors[CONF_BIAS] + offset}
 
 
 def read_survival_prior(path: Path) -> list[float] | None:

@@ -180,13 +180,10 @@ class DSparkDrafter(Backbone):
             if start > cache.length:
                 raise ValueError(f"extend at position {start} would leave a gap after {cache.length} cached")
         sizes = [h.shape[0] for h in target_hidden]
-        if not sum(sizes):
-            for cache, start in zip(caches, start_pos):
-                cache.truncate(start)
-            return
-        device = target_hidden[0].device
-        pos = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(start_pos, sizes)]).unsqueeze(0)
-        kv = self.context_kv(torch.cat(list(target_hidden)).unsqueeze(0), pos)
+        if sum(sizes):
+            device = target_hidden[0].device
+            pos = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(start_pos, sizes)]).unsqueeze(0)
+            kv = self.context_kv(torch.cat(list(target_hidden)).unsqueeze(0), pos)
         offset = 0
         for cache, start, n in zip(caches, start_pos, sizes):
             cache.truncate(start)

@@ -49,8 +49,8 @@ def read_dspark(src: Path) -> DrafterParts:
 
 def sts_parts(src: Path, config: DrafterConfig, tensors: Tensors, metadata: dict[str, Any]) -> DrafterParts:
     """DrafterParts with the STS side file of `src` applied: temperatures kept, logit offset folded in."""
-    return DrafterParts(config, fold_sts_offset(tensors, src / STS), metadata, read_sts(src / STS),
-                        read_sts_offset(src / STS))
+    offset = read_sts_offset(src / STS)
+    return DrafterParts(config, fold_sts_offset(tensors, offset, src / STS), metadata, read_sts(src / STS), offset)
 
 
 def write_dspark(dst: Path, parts: DrafterParts) -> None:

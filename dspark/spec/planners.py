@@ -309,11 +309,10 @@ class ThroughputPlanner(Planner):
         t = self.draft_seconds(len(request_ids))
         if t is None:
             return True
-        every = self.probe_every
-        if self.prior is not None and not speculation_pays([self.prior] * len(request_ids), self.table, t,
-                                                           extra_tokens, context_tokens):
-            every = self.idle_probe_every
-        due = any(self._undrafted.get(rid, 0) + 1 >= every for rid in request_ids)
+        idle = max(self._undrafted.get(rid, 0) + 1 for rid in request_ids)  # rounds without drafts, at most
+        due = idle >= self.idle_probe_every or idle >= self.probe_every and (
+            self.prior is None or speculation_pays([self.prior] * len(request_ids), self.table, t, extra_tokens,
+                                                   context_tokens))
         latest = []
         for rid in request_ids:
             hist = self._history.get(rid)

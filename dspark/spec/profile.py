@@ -69,7 +69,7 @@ def profile_sps(decoder: Decoder, sizes: list[int], *, seq_counts: list[int] = (
     jobs = [(lens, context) for lens in points] + [([1] * widest, context), ([1] * widest, 2 * context)]
     biggest = max(sum(lens) for lens in points)
     per_seq = -(-(2 * context + biggest) // 16)
-    cache = decoder.new_cache(per_seq * (1 + max(seq_counts, default=1)) + 1)
+    cache = decoder.new_cache(per_seq * (1 + widest) + 1)
     dev = decoder.device
     gen = torch.Generator().manual_seed(0)
     vocab = decoder.config.vocab_size

@@ -67,7 +67,7 @@ def fit_sts(logits: np.ndarray, survived: np.ndarray, valid: np.ndarray, bins: i
     coarse, _ = search(np.asarray(offsets))  # then every 0.05 within one coarse step of the winner
     step = float(np.min(np.diff(np.sort(offsets)))) if len(offsets) > 1 else 0.0
     b, best = search(np.round(np.arange(coarse - step, coarse + step + 1e-9, 0.05), 4) if step else [coarse])
-    best["ece_before"] = _fit_temperatures(logits, survived, valid, bins, np.ones(1), tie)["ece_after"]
+    best["ece_before"] = position_ece(logits, survived, valid, np.ones(logits.shape[1]), 0.0, bins)
     return best | {"logit_offset": round(float(b), 4)}
 
 
