@@ -34,6 +34,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-dspark-threshold", dest="threshold", type=float, default=0.5)
     g.add_argument("--speculative-dspark-no-skip-drafting", dest="skip_drafting", action="store_false",
                    help="throughput planner: draft every round, even where drafting cannot pay")
+    g.add_argument("--speculative-dspark-min-gain", dest="min_gain", type=float, default=0.05,
+                   help="throughput planner: draft and verify only where the SPS table says speculation beats "
+                        "plain decoding by at least this fraction of tokens/s (a margin for measurement error)")
     g.add_argument("--speculative-dspark-sps-table-path", dest="sps_table", default=None)
     g.add_argument("--speculative-dspark-confidence-sts-path", dest="sts_path", default=None)
     g.add_argument("--ragged-verify-mode", dest="verify_mode", default=None, choices=VERIFY_MODES,
@@ -54,4 +57,5 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
         raise ValueError(f"SGLANG_RAGGED_VERIFY_MODE must be one of {', '.join(VERIFY_MODES)}, got {mode!r}")
     return dict(speculative_algorithm=args.speculative_algorithm, draft_model=args.draft_model,
                 num_draft_tokens=block, planner=args.planner, threshold=args.threshold, sps_table=args.sps_table,
-                sts_path=args.sts_path, verify_mode=mode, skip_drafting=args.skip_drafting)
+                sts_path=args.sts_path, verify_mode=mode, skip_drafting=args.skip_drafting,
+                min_gain=args.min_gain)

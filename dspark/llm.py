@@ -36,7 +36,7 @@ class LLM:
                  max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  speculative_algorithm: str | None = None, draft_model: str | Path | None = None,
                  num_draft_tokens: int | None = None, planner: str = "throughput", threshold: float = 0.5,
-                 throughput_variant: str = "lagged", skip_drafting: bool = True,
+                 throughput_variant: str = "lagged", skip_drafting: bool = True, min_gain: float = 0.05,
                  sps_table: str | Path | None = None,
                  sts_path: str | Path | None = None, verify_mode: str = "compact", profile_progress: bool = True):
         torch_dtype = resolve_dtype(dtype, device)
@@ -47,7 +47,7 @@ class LLM:
         self.speculative = SpeculativeConfig(
             algorithm=speculative_algorithm or "NONE", draft_model=None if draft_model is None else str(draft_model),
             block_size=num_draft_tokens, planner=planner, threshold=threshold,
-            throughput_variant=throughput_variant, skip_drafting=skip_drafting, sps_table=None if sps_table is None else str(sps_table),
+            throughput_variant=throughput_variant, skip_drafting=skip_drafting, min_gain=min_gain, sps_table=None if sps_table is None else str(sps_table),
             sts_path=None if sts_path is None else str(sts_path), verify_mode=verify_mode)
         self.model_path = resolve_model_path(model)
         self.decoder = load_decoder(self.model_path, dtype=torch_dtype, device=device, pack=True,
@@ -57,7 +57,8 @@ class LLM:
         per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.decoder.kv_dtype)
         blocks = num_kv_blocks or max(1, kv_cache_mb * 2**20 // (per_token * block_size))
         proposer = build_proposer(self.speculative, self.decoder, self.model_path)
-        planner = build_planner(self.speculative, proposer, self.decoder, self.model_path, max_num_seqs)
+        planner = build_planner(self.speculative, proposer, self.decoder, self.model_path, max_num_seqs,
+                                progress=profile_progress)
         self.engine = LLMEngine(self.decoder, self.tokenizer, cache_blocks=blocks, block_size=block_size,
                                 scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
                                 proposer=proposer, planner=planner, verify_mode=self.speculative.verify_mode,

@@ -275,3 +275,23 @@ def test_probes_are_rare_where_even_the_prior_cannot_pay() -> None:
     assert probes([0.1, 0.01]) == ([False] * 5 + [True]) * 2  # it does not: every 6
     with pytest.raises(ValueError, match="idle_probe_every"):
         ThroughputPlanner(table, probe_every=8, idle_probe_every=4)
+
+
+def test_min_gain_keeps_break_even_speculation_off() -> None:
+    table = SPSTable({1: 10.0, 2: 9.5})  # one draft of survival .1: 1.1 tokens at 9.5 steps/s = +4.5%
+    assert speculation_pays([[0.1]], table, draft_seconds=0.0)
+    assert speculation_pays([[0.1]], table, draft_seconds=0.0, min_gain=0.04)
+    assert not speculation_pays([[0.1]], table, draft_seconds=0.0, min_gain=0.05)
+    assert plan_lagged_topk([[0.5]], [[0.1]], table) == [1]
+    assert plan_lagged_topk([[0.5]], [[0.1]], table, min_gain=0.05) == [0]
+    assert plan_lagged_topk([[0.5]], [[0.9]], table, min_gain=0.05) == [1]  # +80%: well past the margin
+    # the planner applies it to the lagged budget (here the prior) and to the drafting decision
+    assert ThroughputPlanner(table, prior=[0.1]).plan(["r"], [[0.5]]) == [1]
+    assert ThroughputPlanner(table, prior=[0.1], min_gain=0.05).plan(["r"], [[0.5]]) == [0]
+    planner = ThroughputPlanner(table, draft_seconds={1: 0.0}, prior=[0.1], min_gain=0.05)
+    planner.plan(["r"], [[0.1]])
+    assert not planner.should_draft(["r"])
+    assert ThroughputPlanner(table, draft_seconds={1: 0.0}, prior=[0.1]).should_draft(["r"])
+    for bad in (-0.01, 1.0):
+        with pytest.raises(ValueError, match="min_gain"):
+            ThroughputPlanner(table, min_gain=bad)

@@ -45,6 +45,7 @@ def _cases(tiny: str, files) -> list[tuple[list[str], str]]:
         (["--speculative-algorithm", "DSPARK", "--speculative-dspark-planner", "fixed",
           "--speculative-dspark-sps-table-path", sps], "only read by the throughput planner"),
         (["--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size", "100"], "block_size"),
+        (["--speculative-algorithm", "DSPARK", "--speculative-dspark-min-gain", "1.5"], "min_gain must be"),
         (["--model", tiny, "--speculative-algorithm", "DSPARK"], "needs --speculative-draft-model-path"),
         (["--model", tiny, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", empty],
          "not a drafter directory"),

@@ -181,6 +181,21 @@ def test_profile_measures_loaded_steps(tiny_llama_dir, tmp_path):
     assert SPSTable.load(path).points_by_seqs == pts
 
 
+def test_drafting_rounds_are_priced_in_the_tables_step_time(tiny_llama_dir, drafters):
+    from dspark.spec.profile import profile_drafting
+
+    decoder = load_decoder(tiny_llama_dir)
+    drafter = DSparkDrafter.from_pretrained(drafters["DSPARK"], decoder.embed_tokens.weight, decoder.lm_head.weight)
+    alone = profile_drafting(drafter, [1, 2], context=16, repeats=2)
+    assert sorted(alone) == [1, 2] and all(t > 0 for t in alone.values())
+    # paired with target steps: the round's cost as a fraction of a step, in the table's step time,
+    # so a table whose steps take 1000x longer prices the same round about 1000x dearer
+    fast, slow = SPSTable({1: 1000.0, 2: 900.0}), SPSTable({1: 1.0, 2: 0.9})
+    kw = dict(decoder=decoder, context=16, repeats=3)
+    ratio = profile_drafting(drafter, [1], table=slow, **kw)[1] / profile_drafting(drafter, [1], table=fast, **kw)[1]
+    assert 100 < ratio < 10_000
+
+
 def test_profile_command_rejects_bad_sizes(capsys):
     from dspark.cli import main
 

@@ -78,7 +78,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     _check_combination(spec, args)
     SpeculativeConfig(algorithm=spec["speculative_algorithm"], draft_model=spec["draft_model"],
                       block_size=spec["num_draft_tokens"], planner=spec["planner"], threshold=spec["threshold"],
-                      verify_mode=spec["verify_mode"])  # its own checks, before anything loads
+                      verify_mode=spec["verify_mode"], min_gain=spec["min_gain"])  # its own checks, before anything loads
     model = resolve_model_path(args.model)
     _check_files(spec, model, args)
     kv = {} if args.max_total_tokens is None else {"num_kv_blocks": -(-args.max_total_tokens // 16)}

@@ -19,6 +19,7 @@ class SpeculativeConfig:
     threshold: float = 0.5  # for planner="threshold"
     throughput_variant: str = "lagged"  # "lagged" (production) or "algorithm1"
     skip_drafting: bool = True  # throughput planner: skip the drafter in rounds where it cannot pay
+    min_gain: float = 0.05  # throughput planner: speculate only where it beats plain decoding by this fraction
     sps_table: str | None = None  # JSON from `dspark profile`; None = profile once and cache
     sts_path: str | None = None  # STS temperatures; None = those shipped with the drafter
     verify_mode: str = "compact"
@@ -38,6 +39,9 @@ class SpeculativeConfig:
             raise ValueError(f"block_size must be an integer in [1, 64], got {self.block_size!r}")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold!r}")
+        if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) \
+                or not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"min_gain must be a number in [0, 1), got {self.min_gain!r}")
         if algo in ("NONE", "NGRAM") and self.draft_model is not None:
             raise ValueError(f"draft_model is only used by DSPARK and DFLASH, not {algo}")
 

@@ -74,8 +74,9 @@ def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -
 
 
 def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, model_path: Path,
-                  max_num_seqs: int) -> Planner | None:
-    """Planner for drafters with a confidence head; everything else verifies all its drafts."""
+                  max_num_seqs: int, progress: bool = True) -> Planner | None:
+    """Planner for drafters with a confidence head; everything else verifies all its drafts.
+    progress: show the progress bar of a first-time SPS profile."""
     if cfg.algorithm != "DSPARK" or cfg.verify_mode == "static" or cfg.planner == "fixed":
         return None
     if cfg.planner == "threshold":
@@ -84,18 +85,18 @@ def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, 
 
     window = 1 + proposer.max_drafts
     table = SPSTable.load(cfg.sps_table) if cfg.sps_table else load_or_profile(
-        model_path, decoder, max_num_seqs * window, max_seqs=max_num_seqs, window=window)
+        model_path, decoder, max_num_seqs * window, max_seqs=max_num_seqs, window=window, progress=progress)
     draft_seconds = None
     if cfg.skip_drafting and hasattr(proposer, "drafter"):
         sizes = sorted({1, 2, 4, 8, 16, 32, max_num_seqs} & set(range(1, max_num_seqs + 1)))
-        draft_seconds = profile_drafting(proposer.drafter, sizes)
+        draft_seconds = profile_drafting(proposer.drafter, sizes, decoder=decoder, table=table)
     prior = getattr(getattr(proposer, "drafter", None), "survival_prior", None)
     if cfg.sts_path:
         from dspark.drafters.io import read_survival_prior
 
         prior = read_survival_prior(Path(cfg.sts_path)) or prior
     return make_planner("throughput", table, variant=cfg.throughput_variant, draft_seconds=draft_seconds,
-                        prior=prior)
+                        prior=prior, min_gain=cfg.min_gain)
 
 
 def _check_compatible(drafter, decoder: Decoder, path: Path) -> None:

@@ -123,6 +123,7 @@ def plan_lagged_topk(
     table: SPSTable,
     extra_tokens: int = 0,
     context_tokens: int | None = None,
+    min_gain: float = 0.0,
 ) -> list[int]:
     """Brief section 3.3: budget K from lagged confidences by global argmax, spent on current top-K.
 
@@ -131,7 +132,9 @@ def plan_lagged_topk(
     (prefix-respecting; zero-survival drafts are skipped, so fewer may be verified) are then verified.
     conf_lagged[r] is request r's confidence row from two rounds back; its values must not depend on
     this round's drafts, which is what makes the unconstrained search lossless. extra_tokens and
-    context_tokens: as in plan_algorithm1 (R becomes R + extra_tokens in both factors).
+    context_tokens: as in plan_algorithm1 (R becomes R + extra_tokens in both factors). min_gain: a
+    budget K > 0 must beat plain verification (K = 0) by this fraction of expected tokens/s, else
+    nothing is verified (a margin for the SPS table's measurement error; 0 = the plain argmax).
     """
     _check_conf(conf_now)
     _check_conf(conf_lagged)
@@ -144,12 +147,15 @@ def plan_lagged_topk(
     lagged = sorted((a for row in conf_lagged for a in survival(row)), reverse=True)
     base = num_requests + extra_tokens
     gain = float(base)
-    best, budget = gain * table.sps(base, num_requests, context_tokens), 0
+    plain = gain * table.sps(base, num_requests, context_tokens)
+    best, budget = plain, 0
     for k in range(1, cap + 1):
         gain += lagged[k - 1] if k - 1 < len(lagged) else 0.0
         theta = gain * table.sps(base + k, num_requests, context_tokens)
         if theta > best:
             best, budget = theta, k
+    if best <= plain * (1.0 + min_gain):
+        budget = 0
     pool = _survival_pool([survival(row) for row in conf_now])
     return _lengths_from_prefix(num_requests, pool[:budget])
 
@@ -173,13 +179,14 @@ def _check_batch(request_ids: Sequence[Hashable], conf: Sequence[Sequence[float]
 
 
 def speculation_pays(lagged: Sequence[Sequence[float]], table: SPSTable, draft_seconds: float,
-                     extra_tokens: int = 0, context_tokens: int | None = None) -> bool:
+                     extra_tokens: int = 0, context_tokens: int | None = None, min_gain: float = 0.0) -> bool:
     """Whether drafting this round is expected to beat plain decoding, drafting time included.
 
     Plain: R tokens per 1 / SPS(R) seconds. Speculating with a budget of K drafts: R + (sum of the K
     largest lagged survival probabilities) tokens per 1 / SPS(R + K) + draft_seconds. Inputs are fixed
     before this round's drafts exist, so skipping the drafter on this basis is lossless. extra_tokens
-    (prefill sharing the pass) add to R on both sides; context_tokens as in plan_algorithm1.
+    (prefill sharing the pass) add to R on both sides; context_tokens as in plan_algorithm1. min_gain:
+    drafting must beat plain decoding by at least this fraction of tokens/s.
     """
     _check_conf(lagged)
     if not lagged:
@@ -190,7 +197,7 @@ def speculation_pays(lagged: Sequence[Sequence[float]], table: SPSTable, draft_s
     gain = float(r)
     for k, a in enumerate(sorted((a for row in lagged for a in survival(row)), reverse=True), start=1):
         gain += a
-        if gain / (1.0 / table.sps(r + k, seqs, context_tokens) + draft_seconds) > plain:
+        if gain / (1.0 / table.sps(r + k, seqs, context_tokens) + draft_seconds) > plain * (1.0 + min_gain):
             return True
     return False
 
@@ -245,7 +252,8 @@ class ThroughputPlanner(Planner):
 
     def __init__(self, table: SPSTable | None, variant: str = "lagged", lag: int = 2,
                  draft_seconds: dict[int, float] | None = None, probe_every: int = 8,
-                 prior: Sequence[float] | None = None, idle_probe_every: int = 32) -> None:
+                 prior: Sequence[float] | None = None, idle_probe_every: int = 32,
+                 min_gain: float = 0.0) -> None:
         """variant in {"lagged", "algorithm1"}; lag = rounds between a confidence row and its use.
 
         draft_seconds: measured time of one drafting pass per batch size. With it, the drafter is
@@ -260,6 +268,11 @@ class ThroughputPlanner(Planner):
         (survival 1) and always drafts. Where even the prior cannot pay at the round's load (a long
         batch: every draft costs more than a typical one brings), probes come only every
         `idle_probe_every` rounds: a probe is a full drafting pass, and most find nothing to verify.
+
+        min_gain: speculation (drafting, and a lagged verify budget) must beat plain decoding by this
+        fraction of expected tokens/s. The SPS table and drafting times are measurements with errors of
+        several percent on a shared host; near break-even, an error-free zero gain is a real loss (the
+        costs are certain, the gain is a forecast), so a margin keeps speculation from hurting there.
         """
         if table is None:
             raise ValueError("the throughput planner needs a profiled SPS table (got None)")
@@ -272,6 +285,9 @@ class ThroughputPlanner(Planner):
                              f"got {probe_every} and {idle_probe_every}")
         self.table, self.variant, self.lag, self.probe_every = table, variant, lag, probe_every
         self.idle_probe_every = idle_probe_every
+        if not 0.0 <= min_gain < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+        self.min_gain = min_gain
         self.prior = _conditional(prior) if prior else None
         self.draft_table = dict(sorted((draft_seconds or {}).items()))
         # request id -> confidence rows of its last `lag` rounds, oldest first
@@ -312,13 +328,13 @@ class ThroughputPlanner(Planner):
         idle = max(self._undrafted.get(rid, 0) + 1 for rid in request_ids)  # rounds without drafts, at most
         due = idle >= self.idle_probe_every or idle >= self.probe_every and (
             self.prior is None or speculation_pays([self.prior] * len(request_ids), self.table, t, extra_tokens,
-                                                   context_tokens))
+                                                   context_tokens, self.min_gain))
         latest = []
         for rid in request_ids:
             hist = self._history.get(rid)
             latest.append(hist[-1] if hist else self.prior)  # None: no prior, so draft
         if (due or any(row is None for row in latest)
-                or speculation_pays(latest, self.table, t, extra_tokens, context_tokens)):
+                or speculation_pays(latest, self.table, t, extra_tokens, context_tokens, self.min_gain)):
             for rid in request_ids:
                 self._undrafted[rid] = 0
             return True
@@ -346,7 +362,7 @@ class ThroughputPlanner(Planner):
                 # survival 1 at every position (optimistic: it may over-verify for `lag` rounds,
                 # whereas 0 would force plain decoding on every new request's first rounds).
                 lagged.append(self._prior_row(len(row)) or [1.0] * len(row))
-        lengths = plan_lagged_topk(conf, lagged, self.table, extra_tokens, context_tokens)
+        lengths = plan_lagged_topk(conf, lagged, self.table, extra_tokens, context_tokens, self.min_gain)
         for rid, row in zip(request_ids, conf):
             self._history.setdefault(rid, deque(maxlen=self.lag)).append([float(c) for c in row])
         return lengths

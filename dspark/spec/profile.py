@@ -70,37 +70,13 @@ def profile_sps(decoder: Decoder, sizes: list[int], *, seq_counts: list[int] = (
     biggest = max(sum(lens) for lens in points)
     per_seq = -(-(2 * context + biggest) // 16)
     cache = decoder.new_cache(per_seq * (1 + widest) + 1)
-    dev = decoder.device
     gen = torch.Generator().manual_seed(0)
-    vocab = decoder.config.vocab_size
-
-    def run(lens: list[int], ctx: int) -> float:
-        total = sum(lens)
-        ids = torch.randint(vocab, (total,), generator=gen).to(dev)
-        pos = torch.cat([torch.arange(ctx, ctx + n) for n in lens]).to(dev)
-        for r, n in enumerate(lens):
-            if cache.length(r) > ctx:
-                cache.truncate(r, ctx)
-            elif cache.length(r) < ctx:  # mark the context as written (its values do not matter)
-                cache.reserve(r, ctx)
-                cache.prepare([r], [ctx - cache.length(r)])
-            cache.reserve(r, ctx + n)  # truncate() below hands the tail blocks back
-        meta = cache.prepare(list(range(len(lens))), lens)
-        t = time.perf_counter()
-        decoder(ids, pos, cache, meta, logits_rows=torch.arange(total, device=dev))
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t
-        for r in range(len(lens)):
-            cache.truncate(r, ctx)
-        return elapsed
-
     times: list[list[float]] = [[] for _ in jobs]
     with tqdm(total=len(jobs) * (repeats + 1), desc="profiling target steps/s", disable=not progress,
               file=sys.stderr) as bar:
         for p in range(repeats + 1):  # pass 0 warms up
             for i, (lens, ctx) in enumerate(jobs):
-                elapsed = run(lens, ctx)
+                elapsed = _time_step(decoder, cache, lens, ctx, gen)
                 if p:
                     times[i].append(elapsed)
                 bar.update()
@@ -112,7 +88,31 @@ def profile_sps(decoder: Decoder, sizes: list[int], *, seq_counts: list[int] = (
     return SPSTable(_monotone(sps), by_seqs={r: _monotone(pts) for r, pts in by_seqs.items()}, context=context,
                     kv_seconds=kv_seconds, model=name,
                     dtype=decoder.weight_format, threads=torch.get_num_threads(), torch_version=torch.__version__,
-                    device=str(dev))
+                    device=str(decoder.device))
+
+
+def _time_step(decoder: Decoder, cache, lens: list[int], ctx: int, gen: torch.Generator) -> float:
+    """Seconds of one verify forward: sequence r of `cache` appends lens[r] random tokens after `ctx`
+    cached positions (marked written, not computed), logits on every row; the cache is put back."""
+    dev, total = decoder.device, sum(lens)
+    ids = torch.randint(decoder.config.vocab_size, (total,), generator=gen).to(dev)
+    pos = torch.cat([torch.arange(ctx, ctx + n) for n in lens]).to(dev)
+    for r, n in enumerate(lens):
+        if cache.length(r) > ctx:
+            cache.truncate(r, ctx)
+        elif cache.length(r) < ctx:  # mark the context as written (its values do not matter)
+            cache.reserve(r, ctx)
+            cache.prepare([r], [ctx - cache.length(r)])
+        cache.reserve(r, ctx + n)  # truncate() below hands the tail blocks back
+    meta = cache.prepare(list(range(len(lens))), lens)
+    t = time.perf_counter()
+    decoder(ids, pos, cache, meta, logits_rows=torch.arange(total, device=dev))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    for r in range(len(lens)):
+        cache.truncate(r, ctx)
+    return elapsed
 
 
 def _monotone(points: dict[int, float]) -> dict[int, float]:
@@ -151,23 +151,42 @@ def load_or_profile(model_path: Path, decoder: Decoder, max_tokens: int, *, max_
 
 
 @torch.inference_mode()
-def profile_drafting(drafter, sizes: list[int], *, context: int = 128, repeats: int = 3) -> dict[int, float]:
-    """Median seconds of one drafting pass (one block per request) for each batch size in `sizes`,
-    over `context` cached positions per request. Measured once when the planner is built, so that
-    its skip-the-drafter decisions stay reproducible within a run."""
+def profile_drafting(drafter, sizes: list[int], *, decoder: Decoder | None = None, table: SPSTable | None = None,
+                     context: int = 256, fed: int = 2, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one drafting round for each batch size in `sizes`: feeding `fed` newly committed
+    positions per request into the drafter's context (one packed projection), then one block per
+    request over `context` cached positions. Median of `repeats` passes after a warm-up pass.
+
+    With `decoder` and `table`, every drafting round is timed right after a plain one-token target
+    step, as it runs in the engine (the step has just pushed the drafter's weights out of the CPU
+    caches), and the result is that round's cost as a fraction of the step, priced in the table's
+    step time. The table may be cached from an earlier run on a machine that was faster or slower
+    then; the ratio is what carries over. Measured once when the planner is built, so its
+    skip-the-drafter decisions stay reproducible within a run."""
     gen = torch.Generator().manual_seed(0)
     width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
     dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-    cache = drafter.new_cache(context + 8)
-    drafter.extend(cache, torch.randn(context, width, generator=gen).to(dev, dtype), 0)
-    out = {}
-    for r in sizes:
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
+    widest = max(sizes)
+    hidden = torch.randn(context, width, generator=gen).to(dev, dtype)
+    caches = [drafter.new_cache(context + fed + 8) for _ in range(widest)]
+    drafter.extend_many(caches, [hidden] * widest, [0] * widest)
+    paired = decoder is not None and table is not None
+    target = decoder.new_cache(-(-(context + 1) // 16) + 1) if paired else None
+    steps: list[float] = []
+    times: dict[int, list[float]] = {r: [] for r in sizes}
+    start = context - fed
+    for p in range(repeats + 1):  # pass 0 warms up
+        for r in sizes:
+            if paired:
+                step = _time_step(decoder, target, [1], context, gen)
+                if p:
+                    steps.append(step)
             t = time.perf_counter()
-            drafter.draft([cache] * r, [1] * r, [context] * r)
+            drafter.extend_many(caches[:r], [hidden[start:]] * r, [start] * r)
+            drafter.draft(caches[:r], [1] * r, [context] * r)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        out[r] = statistics.median(times[1:])
-    return out
+            if p:
+                times[r].append(time.perf_counter() - t)
+    scale = 1.0 / (statistics.median(steps) * table.sps(1, 1, context)) if paired else 1.0
+    return {r: statistics.median(t) * scale for r, t in times.items()}
