@@ -47,7 +47,8 @@ class LLM:
         self.speculative = SpeculativeConfig(
             algorithm=speculative_algorithm or "NONE", draft_model=None if draft_model is None else str(draft_model),
             block_size=num_draft_tokens, planner=planner, threshold=threshold,
-            throughput_variant=throughput_variant, skip_drafting=skip_drafting, min_gain=min_gain, sps_table=None if sps_table is None else str(sps_table),
+            throughput_variant=throughput_variant, skip_drafting=skip_drafting, min_gain=min_gain,
+            sps_table=None if sps_table is None else str(sps_table),
             sts_path=None if sts_path is None else str(sts_path), verify_mode=verify_mode)
         self.model_path = resolve_model_path(model)
         self.decoder = load_decoder(self.model_path, dtype=torch_dtype, device=device, pack=True,

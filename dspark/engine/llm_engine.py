@@ -123,9 +123,10 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         prefill_tokens = sum(n for _, n in batch.prefills)  # they share this round's verify pass
-        proposal = self._propose(batch.decodes, prefill_tokens)
+        context = sum(s.num_cached for s in batch.decodes)  # the decodes' cached tokens: the planner prices it
+        proposal = self._propose(batch.decodes, prefill_tokens, context)
         t1 = time.perf_counter()
-        lengths = self._plan(batch.decodes, proposal, prefill_tokens)
+        lengths = self._plan(batch.decodes, proposal, prefill_tokens, context)
         t2 = time.perf_counter()
         windows = [Window(s.request_id, s.tokens[s.num_cached : s.num_cached + n], s.num_cached,
                           "last" if not s.output_token_ids and s.num_cached + n == s.prefill_target else "none")
@@ -148,23 +149,23 @@ class LLMEngine:
         st.time_verify += t3 - t2
         return [self._output(s) for s in changed]
 
-    def _propose(self, seqs: list[Sequence], prefill_tokens: int) -> Proposal:
+    def _propose(self, seqs: list[Sequence], prefill_tokens: int, context: int) -> Proposal:
         """Drafts for the decoding requests, unless the planner says drafting cannot pay this round."""
         if not seqs or self.proposer.max_drafts == 0:
             return self.proposer.propose(seqs)
         ids = [s.request_id for s in seqs]
         if (self.planner is not None and self.verify_mode != "static"
-                and not self.planner.should_draft(ids, prefill_tokens, sum(s.num_cached for s in seqs))):
+                and not self.planner.should_draft(ids, prefill_tokens, context)):
             self.stats.skipped_drafting += 1
             return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs), confidences=None)
         return self.proposer.propose(seqs)
 
-    def _plan(self, seqs: list[Sequence], proposal: Proposal, prefill_tokens: int) -> list[int]:
+    def _plan(self, seqs: list[Sequence], proposal: Proposal, prefill_tokens: int, context: int) -> list[int]:
         n = [len(t) for t in proposal.tokens]
         if self.planner is None or not seqs or self.verify_mode == "static" or not any(n):
             return n
         lengths = self.planner.plan([s.request_id for s in seqs], proposal.confidences or [[1.0] * k for k in n],
-                                    prefill_tokens, sum(s.num_cached for s in seqs))
+                                    prefill_tokens, context)
         return [min(a, b) for a, b in zip(lengths, n)]
 
     def _after_prefill(self, seq: Sequence, n: int, logits, hidden) -> list[Sequence]:
