@@ -30,10 +30,10 @@ def tiny_setup(tmp_path_factory):
 
 
 def _cfg(model, data, run_dir, **kw) -> TrainConfig:
-    base = dict(data=str(data), run_dir=str(run_dir), model=str(model), cache_dir=None, num_layers=1,
+    base = dict(data=[str(data)], run_dir=str(run_dir), model=str(model), num_layers=1,
                 block_size=4, markov_rank=8, target_layer_ids=[0, 1], mask_token_id=16, batch_size=4,
-                anchors=8, steps=6, lr=3e-3, warmup=0.2, topk=16, val_every_nth=0, ckpt_every=2, seed=1,
-                target_dtype="float32")  # exact comparisons across batch layouts need the fp32 target
+                anchors=8, steps=6, lr=3e-3, warmup=0.2, val_every_nth=0, ckpt_every=2, seed=1,
+                target_dtype="float32", compute_dtype="float32")  # exact comparisons across batch layouts
     base.update(kw)
     return TrainConfig(**base)
 
@@ -45,7 +45,7 @@ def test_datagen_resumes_and_skips_finished_shards(tiny_setup):
                           kv_cache_mb=16, log=logs.append)
     assert logs == [] and len(man["shards"]) == 2  # nothing regenerated
     seqs = load_sequences(data)
-    assert len(seqs) == 16 and all(len(ids) > plen for ids, plen, _ in seqs)
+    assert len(seqs) == 16 and all(mask.any() and not mask[0] for _, mask, _ in seqs)
     first = load_sequences(data, max_shards=1)  # what `dspark train --max-shards 1` trains on
     assert len(first) == 8 and all(torch.equal(a[0], b[0]) for a, b in zip(first, seqs))
     recipe = json.loads((data / "manifest.json").read_text())["recipe"]
@@ -54,12 +54,40 @@ def test_datagen_resumes_and_skips_finished_shards(tiny_setup):
         generate_shards(prompts[:16], data, model=str(model), shard_size=8, max_tokens=30, log=logs.append)
 
 
-def test_tv_distance_exact_with_full_support():
+def test_tv_distance_is_exact_with_a_reduced_vocabulary():
+    """p_t normalised over the full vocabulary; the drafter has no mass outside its vocabulary."""
     torch.manual_seed(0)
-    pd = torch.softmax(torch.randn(3, 10), -1)
-    pt = torch.softmax(torch.randn(3, 10), -1)
-    ids = torch.arange(10).expand(3, 10)
-    torch.testing.assert_close(tv_distance(pd.log(), ids, pt), (pd - pt).abs().sum(-1), atol=1e-5, rtol=0)
+    pt_full = torch.softmax(torch.randn(3, 10), -1)
+    d2t = torch.tensor([0, 2, 3, 7])
+    pd_small = torch.softmax(torch.randn(3, 4), -1)
+    pd_full = torch.zeros(3, 10).index_copy(1, d2t, pd_small)
+    exact = (pd_full - pt_full).abs().sum(-1)
+    torch.testing.assert_close(tv_distance(pd_small.log(), pt_full[:, d2t]), exact, atol=1e-5, rtol=0)
+
+
+def test_soft_labels_are_the_targets_full_distribution(tiny_setup):
+    """soft_labels: p_t on the draft ids from the full-vocabulary softmax, and the full-vocabulary argmax."""
+    from dspark.models.loader import load_decoder
+    from dspark.train.dense_target import DenseTarget
+    from dspark.train.features import soft_labels
+
+    model, _, _, _ = tiny_setup
+    target = DenseTarget(load_decoder(model, quantization="none"))
+    h = torch.randn(5, target.config.hidden_size)
+    full = torch.softmax(target.logits(h).float(), -1)
+    d2t = torch.tensor([1, 5, 17, 300])
+    pt, greedy = soft_labels(target, h, d2t, chunk=2)
+    torch.testing.assert_close(pt, full[:, d2t])
+    assert torch.equal(greedy, full.argmax(-1))
+
+
+def test_greedy_path_drops_slots_after_a_disagreement():
+    from dspark.train.trainer import on_greedy_path
+
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    greedy = torch.tensor([[[11, 12, 99, 14]]])  # rows 0..3 of anchor 0; the data has 13 where greedy says 99
+    ok = on_greedy_path(greedy, ids, torch.tensor([[0]]))
+    assert ok[0, 0].tolist() == [True, True, True, False]  # slot 3 sits after the disagreement at slot 2
 
 
 def test_overfit_loss_decreases_and_export(tiny_setup, tmp_path):
@@ -113,7 +141,7 @@ def _rank_main(rank: int, world: int, port: int, model, data, run_dir, out_path)
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    tr = Trainer(_cfg(model, data, run_dir, batch_size=2, steps=1, cache_dir=None))
+    tr = Trainer(_cfg(model, data, run_dir, batch_size=2, steps=1))
     tr.train_step(0)
     if rank == 0:
         torch.save(_params(tr), out_path)
@@ -132,3 +160,16 @@ def test_two_ranks_equal_one_rank_double_batch(tiny_setup, tmp_path):
     ddp = torch.load(out)
     for k, v in _params(single).items():
         torch.testing.assert_close(ddp[k], v, atol=2e-6, rtol=1e-4)
+
+
+def test_calibrate_fits_sts_on_held_out_greedy_logs(tiny_setup, tmp_path):
+    from dspark.train.cli import main
+
+    model, data, _, _ = tiny_setup
+    out = tmp_path / "drafter"
+    Trainer(_cfg(model, data, tmp_path / "run", steps=2, draft_vocab_size=512, export=str(out))).fit()
+    assert main(["calibrate", "--drafter", str(out), "--data", str(data), "--model", str(model),
+                 "--val-every-nth", "4", "--dtype", "float32"]) == 0
+    res = json.loads((out / "sts.json").read_text())
+    assert len(res["temperatures"]) == 4 and len(res["ece_test_after"]) == 4 and sum(res["samples"]) > 0
+    assert (out / "run_log.jsonl").exists()  # the run log travels with the export

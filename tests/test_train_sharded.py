@@ -62,8 +62,9 @@ def test_ranks_disjoint_and_cover_every_prompt_once(sharded):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model))
-    for k, (ids, plen, src) in enumerate(load_sequences(data)):  # shard order == prompt order
-        assert prompts[k].text in tok.decode(ids[:plen]) and len(ids) > plen and src == "synthetic"
+    for k, (ids, mask, src) in enumerate(load_sequences(data)):  # shard order == prompt order
+        plen = int(mask.long().argmax())
+        assert prompts[k].text in tok.decode(ids[:plen]) and mask[plen:].all() and src == "synthetic"
     man = read_manifest(data)
     assert sorted(man["shards"]) == [f"shard_{i:05d}.pt" for i in range(5)]
     assert sum(s["sequences"] for s in man["shards"].values()) == N_PROMPTS
@@ -114,10 +115,10 @@ def test_cli_flags_and_env(monkeypatch):
 
 
 def _cfg(model, data, run_dir, **kw) -> TrainConfig:
-    base = dict(data=str(data), run_dir=str(run_dir), model=str(model), cache_dir=None, num_layers=1,
+    base = dict(data=[str(data)], run_dir=str(run_dir), model=str(model), num_layers=1,
                 block_size=4, markov_rank=8, target_layer_ids=[0, 1], mask_token_id=16, batch_size=4,
-                anchors=8, steps=5, lr=3e-3, warmup=0.2, topk=16, val_every_nth=6, ckpt_every=2, seed=1,
-                threads=1)  # 1 thread: oversubscribed shared cores are several times slower
+                anchors=8, steps=5, lr=3e-3, warmup=0.2, val_every_nth=6, ckpt_every=2, seed=1,
+                threads=1, compute_dtype="float32", target_dtype="float32")  # 1 thread: oversubscribed shared cores are several times slower
     base.update(kw)
     return TrainConfig(**base)
 
@@ -141,7 +142,7 @@ def test_merged_data_trains_and_lost_worker_resume(sharded, tmp_path):
     full = Trainer(_cfg(model, data, tmp_path / "full"))
     assert len(full.train_idx) + len(full.val_idx) == N_PROMPTS and len(full.val_idx) == 3
     val = full.fit()
-    assert val and full.recipe(val)["data_recipe"]["total_prompts"] == N_PROMPTS
+    assert val and full.recipe(val)["data_recipe"]["data"]["total_prompts"] == N_PROMPTS
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -152,5 +153,7 @@ def test_merged_data_trains_and_lost_worker_resume(sharded, tmp_path):
     resumed = Trainer(_cfg(model, data, tmp_path / "job"))  # 1 rank x 4 == 2 ranks x 2: same data order
     resumed.fit()
     assert resumed.step == 5
+    # Summation order differs between 2 ranks and 1; Adam divides by sqrt(v), so a Markov-embedding row
+    # with a near-zero gradient can move by ~1e-4 on rounding alone (weights are ~0.02-0.2).
     for k, v in _params(full).items():
-        torch.testing.assert_close(_params(resumed)[k], v, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(_params(resumed)[k], v, atol=1e-4, rtol=1e-4)

@@ -114,6 +114,12 @@ class EngineMethod:
         self.tokenizer = self.llm.tokenizer
         self.recorder = RoundRecorder(self.llm.engine)
 
+    @property
+    def draft_vocab(self):
+        """The target ids the method's drafter can propose (None: no drafter, or its full vocabulary)."""
+        drafter = getattr(self.llm.engine.proposer, "drafter", None)
+        return getattr(drafter, "d2t", None)
+
     def run(self, prompts: list[list[int]], params: list[SamplingParams], concurrency: int = 1) -> BatchRun:
         """Closed loop: keep `concurrency` requests in flight until every prompt is done."""
         engine = self.llm.engine

@@ -134,7 +134,8 @@ def run_offline(datasets: list[Dataset], cfg: OfflineConfig, setup: Setup) -> di
     for v in methods:
         if v.method not in ENGINE_METHODS and any(c > 1 for c in cfg.concurrency):
             skipped.append({"method": v.label, "reason": "outside references run at concurrency 1 only"})
-    cells = [_cell(v, t, c, d, runs, cfg) for t, c, d in jobs for v in methods if (v, d.name, t, c, 0) in runs]
+    cells = [_cell(v, t, c, d, runs, cfg, getattr(methods[v], "draft_vocab", None))
+             for t, c, d in jobs for v in methods if (v, d.name, t, c, 0) in runs]
     _compare_to_ar(cells)
     return {"config": {**asdict(cfg), "datasets": {d.name: {"source": d.source, "prompts": len(d.prompts)}
                                                    for d in datasets}},
@@ -142,7 +143,7 @@ def run_offline(datasets: list[Dataset], cfg: OfflineConfig, setup: Setup) -> di
             "cells": cells, "skipped": skipped}
 
 
-def _cell(v: Variant, t: float, c: int, d: Dataset, runs: dict, cfg: OfflineConfig) -> dict:
+def _cell(v: Variant, t: float, c: int, d: Dataset, runs: dict, cfg: OfflineConfig, vocab=None) -> dict:
     reps = [runs[(v, d.name, t, c, r)] for r in range(cfg.repeats)]
     speeds = [sum(len(x.token_ids) for b in rep for x in b.completions) / sum(b.seconds for b in rep)
               for rep in reps]
@@ -166,8 +167,18 @@ def _cell(v: Variant, t: float, c: int, d: Dataset, runs: dict, cfg: OfflineConf
         "accept_by_position": acc.conditional(), "rounds": acc.rounds, "time_split": split,
         "ttft_s": latency_summary([x.ttft for x in every]), "tpot_s": latency_summary([x.tpot for x in every]),
         "per_user_tokens_per_s": latency_summary(user)["p50"],
+        "outside_draft_vocab": _outside(first, vocab),
         "token_ids": [x.token_ids for x in first],
     }
+
+
+def _outside(completions: list, vocab) -> float | None:
+    """Share of output tokens the drafter could never propose (outside its draft vocabulary)."""
+    ids = [t for x in completions for t in x.token_ids]
+    if vocab is None or not ids:
+        return None
+    inside = set(vocab.tolist())
+    return sum(t not in inside for t in ids) / len(ids)
 
 
 def _compare_to_ar(cells: list[dict]) -> None:

@@ -116,9 +116,11 @@ def _offline(off: dict) -> list[str]:
         width = max(len(c["accept_by_position"]) for c in acc)
         lines += ["### Per-position conditional acceptance", "",
                   "P(draft j accepted | drafts 1..j-1 accepted), over every verified window.", ""]
-        lines += _table(["dataset", "method", *(f"j={j + 1}" for j in range(width))],
+        lines += _table(["dataset", "method", *(f"j={j + 1}" for j in range(width)), "outside draft vocab %"],
                         [[c["dataset"], c["label"], *(_f(v) for v in c["accept_by_position"]),
-                          *(["-"] * (width - len(c["accept_by_position"])))] for c in acc]) + [""]
+                          *(["-"] * (width - len(c["accept_by_position"]))),
+                          _f(100 * c["outside_draft_vocab"], ".1f") if c.get("outside_draft_vocab") is not None
+                          else "-"] for c in acc]) + [""]
     for s in off.get("skipped", []):
         lines.append(f"- skipped `{s['method']}`: {s['reason']}")
     return lines + [""]

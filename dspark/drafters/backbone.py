@@ -18,6 +18,32 @@ def rope(x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tens
     return apply_rotary(x.reshape(b * t, h, d), cos, sin).view(b, t, h, d)
 
 
+def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, ctx: KV,
+                    ctx_len: torch.Tensor) -> torch.Tensor:
+    """Training attention of A blocks at once, linear in A: block a attends to the context rows
+    < ctx_len[b, a] and bidirectionally to its own gamma slots, never to another block.
+
+    q [B, A, g, H, hd] (rotated, normed); k_blk / v_blk [B, A, g, Hkv, hd]; ctx K/V [B, S, Hkv, hd];
+    ctx_len [B, A] -> [B, A, g, H, hd]. One softmax over [context ; own block] per query, in fp32.
+    A dense mask over every block's keys would cost A * g * (S + A * g) per head; this costs A * g * (S + g).
+    """
+    b, a, g, h, hd = q.shape
+    kc, vc = ctx
+    s, hkv = kc.shape[1], kc.shape[2]
+    rep = h // hkv
+    qh = q.reshape(b, a, g, hkv, rep, hd).permute(0, 3, 4, 1, 2, 5)  # [B, Hkv, rep, A, g, hd]
+    s_ctx = qh.reshape(b, hkv, rep * a * g, hd) @ kc.permute(0, 2, 3, 1)  # [B, Hkv, rep*A*g, S]
+    s_ctx = s_ctx.view(b, hkv, rep, a, g, s)
+    s_own = qh @ k_blk.permute(0, 3, 1, 4, 2).unsqueeze(2)  # [B, Hkv, rep, A, g, g]
+    scores = torch.cat([s_ctx, s_own], dim=-1).float() * hd ** -0.5
+    hidden = torch.arange(s, device=q.device) >= ctx_len.unsqueeze(-1)  # [B, A, S]
+    scores[..., :s].masked_fill_(hidden.view(b, 1, 1, a, 1, s), float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = p[..., :s].reshape(b, hkv, rep * a * g, s) @ vc.transpose(1, 2)  # [B, Hkv, rep*A*g, hd]
+    out = out.view(b, hkv, rep, a, g, hd) + p[..., s:] @ v_blk.permute(0, 3, 1, 2, 4).unsqueeze(2)
+    return out.permute(0, 3, 4, 1, 2, 5).reshape(b, a, g, h, hd)
+
+
 class DrafterAttention(nn.Module):
     """Block queries attend to injected context K/V and to the block's own K/V, under a given mask."""
 
@@ -43,14 +69,29 @@ class DrafterAttention(nn.Module):
             k = self.k_norm(k)
         return rope(k, positions, rotary), v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: KV, mask: torch.Tensor,
-                rotary: Rotary) -> torch.Tensor:
-        """x [B, T, d] block states; ctx K/V [B, S, kvh, hd]; mask [B, T, S+T] bool (True = attend)."""
+    def query(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """Queries (normed, rotated) of x [B, T, d] at positions [B, T] -> [B, T, heads, hd]."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(q)
-        q = rope(q, positions, rotary)
+        return rope(q, positions, rotary)
+
+    def forward_blocks(self, x: torch.Tensor, positions: torch.Tensor, ctx: KV, ctx_len: torch.Tensor,
+                       rotary: Rotary) -> torch.Tensor:
+        """Training: x [B, A, g, d] block states at positions [B, A, g]; block a sees ctx rows < ctx_len[:, a]."""
+        b, a, g, d = x.shape
+        flat, pos = x.reshape(b, a * g, d), positions.reshape(b, a * g)
+        q = self.query(flat, pos, rotary).view(b, a, g, self.heads, self.head_dim)
+        kb, vb = (t.view(b, a, g, self.kv_heads, self.head_dim) for t in self.key_value(flat, pos, rotary))
+        out = block_attention(q, kb, vb, ctx, ctx_len)
+        return self.o_proj(out.reshape(b, a, g, self.heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: KV, mask: torch.Tensor,
+                rotary: Rotary) -> torch.Tensor:
+        """x [B, T, d] block states; ctx K/V [B, S, kvh, hd]; mask [B, T, S+T] bool (True = attend)."""
+        b, t, _ = x.shape
+        q = self.query(x, positions, rotary)
         kb, vb = self.key_value(x, positions, rotary)
         k = torch.cat([ctx[0], kb], dim=1).transpose(1, 2)  # [B, kvh, S+T, hd]
         v = torch.cat([ctx[1], vb], dim=1).transpose(1, 2)
@@ -76,6 +117,13 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+    def forward_blocks(self, x: torch.Tensor, positions: torch.Tensor, ctx: KV, ctx_len: torch.Tensor,
+                       rotary: Rotary) -> torch.Tensor:
+        """Training form over anchored blocks: x [B, A, g, d] -> [B, A, g, d]."""
+        x = x + self.self_attn.forward_blocks(self.input_layernorm(x), positions, ctx, ctx_len, rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 class Backbone(nn.Module):
     """Context projection (fc + hidden_norm), the drafter layers and the final norm."""
 
@@ -95,6 +143,14 @@ class Backbone(nn.Module):
         """Target features [B, S, m*d] at positions [B, S] -> per layer (K, V) [B, S, kvh, hd]."""
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         return [layer.self_attn.key_value(ctx, positions, self.rotary) for layer in self.layers]
+
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, ctx: list[KV],
+                   ctx_len: torch.Tensor) -> torch.Tensor:
+        """Training: block inputs x [B, A, g, d] at positions [B, A, g], block a seeing context rows
+        < ctx_len[:, a] -> final-normed hidden [B, A, g, d]."""
+        for layer, kv in zip(self.layers, ctx):
+            x = layer.forward_blocks(x, positions, kv, ctx_len, self.rotary)
+        return self.norm(x)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: list[KV],
                    mask: torch.Tensor) -> torch.Tensor:

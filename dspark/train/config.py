@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -12,10 +11,9 @@ from typing import Any
 class TrainConfig:
     """Everything a training run depends on (stored in the checkpoint and the exported metadata)."""
 
-    data: str = ""
+    data: list[str] = field(default_factory=list)  # train-data directories, mixed
     run_dir: str = ""
     model: str | None = None  # target dir; None = embedded SmolLM2
-    cache_dir: str | None = None  # cached features (see features.cache_features); None = online
     export: str | None = None
     max_shards: int | None = None  # train on the first N data shards only
     init_from: str | None = None  # a drafter checkpoint of the same config to start from (weights and d2t)
@@ -29,7 +27,9 @@ class TrainConfig:
     mask_token_id: int | None = None
     draft_vocab_size: int | None = None
     # optimisation
-    batch_size: int = 8  # sequences per rank per step
+    batch_size: int = 8  # sequences per rank per optimizer step
+    micro_tokens: int = 4096  # padded tokens per forward (gradient accumulation inside a step)
+    max_seq_len: int = 1024  # sequences are cut to this many tokens
     anchors: int = 64  # max anchors per sequence
     steps: int | None = None
     epochs: float = 1.0
@@ -39,16 +39,17 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     decay: float = 4.0  # g of w_k = exp(-(k-1)/g)
-    topk: int = 64  # p_t is kept as its top-K
     seed: int = 0
-    val_every_nth: int = 20  # every n-th sequence is held out for validation
-    val_interval: int = 0  # steps between validations (0: only at the end)
+    val_every_nth: int = 20  # every n-th sequence of each data directory is held out
+    val_max: int = 0  # validate on at most this many held-out sequences per directory (0: all)
     ckpt_every: int = 50
+    curve_start: int = 0  # learning-curve points at curve_start x 10^(k/4) tokens (0: none)
+    curve_snapshots: bool = True  # also save the drafter at each curve point (run_dir/curve/)
     log_every: int = 1
     stop_after: int | None = None  # leave after this many optimizer steps in total (simulated kill)
     save_dtype: str = "bfloat16"
-    target_dtype: str = "auto"  # the target that computes features: auto = bf16 packed where supported
-    compute_dtype: str = "float32"  # "bfloat16": autocast (fp32 master weights), the DeepSpec recipe
+    target_dtype: str = "auto"  # the dense target pass computing features: auto = bf16 where supported
+    compute_dtype: str = "bfloat16"  # drafter weights and activations; AdamW keeps fp32 masters
     threads: int | None = None
     recipe: dict[str, Any] = field(default_factory=dict)
 
@@ -56,18 +57,17 @@ class TrainConfig:
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """argparse options mirroring TrainConfig."""
     d = TrainConfig()
-    p.add_argument("--data", required=True, help="train-data directory (shard_*.pt)")
-    p.add_argument("--run-dir", required=True, help="where ckpt.pt, metrics.jsonl (and feature cache) live")
+    p.add_argument("--data", required=True, action="append",
+                   help="train-data directory (shard_*.pt), DIR:K to take its training sequences K times "
+                        "an epoch; repeat to mix several (every --val-every-nth of each is held out)")
+    p.add_argument("--run-dir", required=True, help="where ckpt.pt, metrics.jsonl and curve/ live")
     p.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
-    p.add_argument("--cache-dir", default=None, help="cached target features (computed here if missing)")
-    p.add_argument("--online", action="store_true", help="compute target features per batch, no cache")
-    p.add_argument("--features-only", action="store_true", help="fill the feature cache, then exit")
     p.add_argument("--export", default=None, help="save the trained drafter here (config.json + safetensors)")
     p.add_argument("--max-shards", type=int, default=None, metavar="N", help="use only the first N data shards")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from this drafter checkpoint's weights (and draft vocabulary); same shapes")
-    for name in ("num_layers", "block_size", "markov_rank", "batch_size", "anchors", "topk", "seed",
-                 "val_every_nth", "val_interval", "ckpt_every", "log_every"):
+    for name in ("num_layers", "block_size", "markov_rank", "batch_size", "micro_tokens", "max_seq_len", "anchors",
+                 "seed", "val_every_nth", "val_max", "ckpt_every", "log_every", "curve_start"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--markov-head-type", default=d.markov_head_type, choices=("vanilla", "gated", "rnn"))
     p.add_argument("--no-confidence-head", action="store_true")
@@ -79,8 +79,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     for name in ("epochs", "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "decay"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     p.add_argument("--save-dtype", default=d.save_dtype, choices=("float32", "bfloat16"))
-    p.add_argument("--compute-dtype", default="bfloat16", choices=("float32", "bfloat16"),
-                   help="drafter compute dtype (autocast; weights stay fp32)")
+    p.add_argument("--compute-dtype", default=d.compute_dtype, choices=("float32", "bfloat16"),
+                   help="drafter weights and activations (AdamW keeps fp32 master weights)")
+    p.add_argument("--no-curve-snapshots", dest="curve_snapshots", action="store_false",
+                   help="learning-curve points log metrics only (no drafter snapshot under RUN_DIR/curve)")
     p.add_argument("--target-dtype", default=d.target_dtype, choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the target computing features (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
     p.add_argument("--threads", type=int, default=None)
@@ -93,10 +95,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     kw["confidence_head"] = not args.no_confidence_head
     if args.target_layer_ids:
         kw["target_layer_ids"] = [int(x) for x in args.target_layer_ids.split(",")]
-    if args.online:
-        kw["cache_dir"] = None
-    elif not args.cache_dir:
-        kw["cache_dir"] = str(Path(args.run_dir) / "features")
     return TrainConfig(**kw)
 
 

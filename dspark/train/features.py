@@ -1,107 +1,50 @@
-"""Target features for training: chosen layers' hidden states and the teacher-forced top-K of p_t."""
+"""Target features and soft labels for training, computed online by the dense target pass.
+
+Nothing is cached on disk: at ~6 KB a token, features for millions of tokens would not fit, while the
+dense bf16 pass recomputes them at over a thousand tokens a second on two cores.
+"""
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from dspark.train.datagen import shard_paths
-
-FEAT = "feat_{}.pt"  # next to shard_XXXXX.pt: feat_shard_XXXXX.pt
-
 
 @dataclass
-class SeqFeatures:
-    """One sequence ready for the trainer: ids [L], loss mask [L], hidden [L, m*d], p_t top-K at each row."""
+class TargetBatch:
+    """One padded micro-batch with everything the losses need from the target."""
 
-    ids: torch.Tensor  # int64 [L]
-    loss_mask: torch.Tensor  # bool [L], True on assistant tokens
-    hidden: torch.Tensor  # [L, m*d] (bf16 when cached): outputs of the chosen target layers
-    top_ids: torch.Tensor  # int64 [L, K]: row i = the K most likely targets for position i+1
-    top_probs: torch.Tensor  # fp32 [L, K]: their probabilities under the target (softmax at T=1)
+    ids: torch.Tensor  # int64 [B, S] data tokens (right-padded with 0)
+    loss_mask: torch.Tensor  # bool [B, S], True on assistant tokens
+    hidden: torch.Tensor  # [B, S, m*d] outputs of the chosen target layers (bf16 on a CPU)
+    final: torch.Tensor  # [B, S, d] the target's final-normed hidden state (its LM head gives p_t)
 
 
 @torch.no_grad()
-def target_features(decoder, seqs: Sequence[torch.Tensor], layers: Sequence[int], topk: int,
-                    max_tokens: int = 2048) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Teacher-forced target pass over whole sequences -> per sequence (hidden, top_ids, top_probs)."""
-    out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    i = 0
-    while i < len(seqs):
-        group = [seqs[i]]
-        total = len(seqs[i])
-        while i + len(group) < len(seqs) and total + len(seqs[i + len(group)]) <= max_tokens:
-            total += len(seqs[i + len(group)])
-            group.append(seqs[i + len(group)])
-        out += _forward_group(decoder, group, layers, topk)
-        i += len(group)
-    return out
+def target_batch(target, seqs: Sequence[tuple[torch.Tensor, torch.Tensor]], layers: Sequence[int]) -> TargetBatch:
+    """Teacher-forced dense pass over (ids [L], loss_mask [L]) pairs, right-padded into one batch."""
+    s = max(len(ids) for ids, _ in seqs)
+    ids = torch.zeros(len(seqs), s, dtype=torch.long)
+    mask = torch.zeros(len(seqs), s, dtype=torch.bool)
+    for i, (x, m) in enumerate(seqs):
+        ids[i, :len(x)], mask[i, :len(x)] = x, m
+    ids, mask = ids.to(target.device), mask.to(target.device)
+    hidden, final = target.forward(ids, hidden_layers=tuple(layers))
+    return TargetBatch(ids, mask, hidden, final)
 
 
-def _forward_group(decoder, group: list[torch.Tensor], layers: Sequence[int], topk: int):
-    """One ragged prefill of several sequences through a throwaway paged cache."""
-    lens = [len(s) for s in group]
-    block = 16
-    cache = decoder.new_cache(sum((n + block - 1) // block for n in lens) + 1, block_size=block)
-    names = [f"s{j}" for j in range(len(group))]
-    for name, n in zip(names, lens):
-        cache.reserve(name, n)
-    meta = cache.prepare(names, lens)
-    ids = torch.cat(list(group)).to(decoder.device)
-    pos = torch.cat([torch.arange(n) for n in lens]).to(decoder.device)
-    res = decoder(ids, pos, cache, meta, logits_rows=torch.arange(len(ids), device=decoder.device),
-                  hidden_layers=tuple(layers))
-    probs = torch.softmax(res.logits.float(), dim=-1)
-    top_p, top_i = probs.topk(topk, dim=-1)
-    return list(zip(res.hidden.split(lens), top_i.split(lens), top_p.split(lens)))
-
-
-def cache_features(data_dir: str | Path, cache_dir: str | Path, decoder, layers: Sequence[int], topk: int,
-                   log=print, max_shards: int | None = None) -> None:
-    """Write feat_shard_XXXXX.pt (bf16 hidden, top-K p_t) for every shard not cached yet (resumable)."""
-    data_dir, cache_dir = Path(data_dir), Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    info = {"layers": list(layers), "topk": topk,
-            "target": decoder.weight_format}
-    meta_path = cache_dir / "features.json"
-    if meta_path.exists() and json.loads(meta_path.read_text()) != info:
-        raise ValueError(f"{cache_dir} holds features for {meta_path.read_text().strip()}, not {info}")
-    meta_path.write_text(json.dumps(info) + "\n")
-    for shard in shard_paths(data_dir, max_shards):
-        path = cache_dir / FEAT.format(shard.stem)
-        if path.exists():
-            continue
-        t0 = time.perf_counter()
-        s = torch.load(shard)
-        off = s["offsets"].tolist()
-        seqs = [s["tokens"][off[j]:off[j + 1]].long() for j in range(len(off) - 1)]
-        feats = target_features(decoder, seqs, layers, topk)
-        blob = {"hidden": [h.to(torch.bfloat16).clone() for h, _, _ in feats],
-                "top_ids": [t.to(torch.int32).clone() for _, t, _ in feats],
-                "top_probs": [p.to(torch.float16).clone() for _, _, p in feats]}
-        tmp = path.with_suffix(".tmp")
-        torch.save(blob, tmp)
-        tmp.replace(path)
-        n = sum(len(x) for x in seqs)
-        dt = time.perf_counter() - t0
-        log(f"{path.name}: {n} tokens in {dt:.0f} s ({n / dt:.0f} tok/s)")
-
-
-def load_cached(data_dir: str | Path, cache_dir: str | Path, max_shards: int | None = None) -> list[SeqFeatures]:
-    """Every cached sequence (shards without features are skipped)."""
-    out = []
-    for shard in shard_paths(data_dir, max_shards):
-        fpath = Path(cache_dir) / FEAT.format(shard.stem)
-        if not fpath.exists():
-            continue
-        s, f = torch.load(shard), torch.load(fpath)
-        off = s["offsets"].tolist()
-        for j in range(len(off) - 1):
-            ids = s["tokens"][off[j]:off[j + 1]].long()
-            mask = torch.arange(len(ids)) >= int(s["prompt_lens"][j])
-            out.append(SeqFeatures(ids, mask, f["hidden"][j], f["top_ids"][j].long(), f["top_probs"][j].float()))
-    return out
+@torch.no_grad()
+def soft_labels(target, final: torch.Tensor, d2t: torch.Tensor | None,
+                chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's next-token distribution at rows final [N, d] -> (p_t on the draft vocabulary
+    [N, Vd] fp32, exact: normalised over the FULL vocabulary, so 1 - its sum is the mass outside the
+    draft vocabulary; the target's greedy token [N], a target id)."""
+    probs, greedy = [], []
+    for rows in final.split(chunk):
+        logits = target.logits(rows).float()  # [n, V]: the served LM head's values (its dtype), in fp32
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        inside = logits if d2t is None else logits.index_select(-1, d2t)
+        probs.append(inside.sub_(lse).exp_())
+        greedy.append(logits.argmax(-1))
+    return torch.cat(probs), torch.cat(greedy)

@@ -37,31 +37,24 @@ def position_weights(gamma: int, decay: float, device: torch.device | str = "cpu
     return torch.exp(-torch.arange(gamma, device=device, dtype=torch.float32) / decay)
 
 
-def tv_distance(log_pd: torch.Tensor, top_ids_d: torch.Tensor, top_probs: torch.Tensor) -> torch.Tensor:
-    """||p_d - p_t||_1 from p_t's top-K (ids in draft vocab, -1 outside): exact when the top-K holds all mass.
-
-    log_pd [..., Vd]; top_ids_d / top_probs [..., K]. The p_t mass outside its top-K and the p_d mass
-    outside those K tokens are counted as disjoint (an upper bound; tight when either is ~0).
-    """
-    pd = log_pd.exp()
-    inside = top_ids_d >= 0
-    pd_at = pd.gather(-1, top_ids_d.clamp(min=0)) * inside  # p_d on p_t's top-K tokens
-    l1_top = torch.where(inside, (pd_at - top_probs).abs(), top_probs).sum(-1)
-    pd_rest = (1.0 - pd_at.sum(-1)).clamp(min=0)
-    pt_rest = (1.0 - top_probs.sum(-1)).clamp(min=0)
-    return (l1_top + pd_rest + pt_rest).clamp(max=2.0)
+def tv_distance(log_pd: torch.Tensor, pt: torch.Tensor) -> torch.Tensor:
+    """||p_d - p_t||_1, exact: log_pd [..., Vd] (the drafter's distribution, zero outside the draft
+    vocabulary) and pt [..., Vd] the target's probabilities on the draft vocabulary, normalised over
+    the full vocabulary, so the target mass outside it (1 - sum pt) is where p_d is zero."""
+    outside = (1.0 - pt.sum(-1)).clamp(min=0)
+    return ((log_pd.exp() - pt).abs().sum(-1) + outside).clamp(max=2.0)
 
 
 def dspark_loss_parts(logits: torch.Tensor, conf_logits: torch.Tensor | None, labels_d: torch.Tensor,
-                      valid: torch.Tensor, top_ids_d: torch.Tensor, top_probs: torch.Tensor,
-                      weights: torch.Tensor) -> LossParts:
-    """Local loss pieces for blocks [B, A, gamma]: logits [.., Vd], labels_d draft ids (IGNORE outside)."""
+                      valid: torch.Tensor, pt: torch.Tensor, weights: torch.Tensor) -> LossParts:
+    """Local loss pieces for blocks [B, A, gamma]: logits [.., Vd]; labels_d the target's greedy token
+    as a draft id (IGNORE where unsupervised or outside the draft vocabulary); pt [.., Vd] (tv_distance)."""
     w = weights.view(1, 1, -1) * valid.float()
     log_pd = torch.log_softmax(logits.float(), dim=-1)
     ce_ok = valid & (labels_d != IGNORE)
     nll = -log_pd.gather(-1, labels_d.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     w_ce = w * ce_ok.float()
-    tv = tv_distance(log_pd, top_ids_d, top_probs)
+    tv = tv_distance(log_pd, pt)
     soft = (1.0 - 0.5 * tv).detach().clamp(0.0, 1.0)
     if conf_logits is not None:
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft, reduction="none")
@@ -77,12 +70,13 @@ def dspark_loss_parts(logits: torch.Tensor, conf_logits: torch.Tensor | None, la
                      lead_sum=lead.float().sum((0, 1)), count=vf.sum((0, 1)), blocks=vf[..., 0].sum())
 
 
-def combine(parts: LossParts, ce_den: float, den: float, *, scale: float = 1.0,
+def combine(parts: LossParts, den: float, *, scale: float = 1.0,
             w_ce: float = 0.1, w_tv: float = 0.9, w_conf: float = 1.0) -> torch.Tensor:
-    """0.1 CE + 0.9 TV + 1.0 BCE with GLOBAL denominators (times scale, e.g. world size under DDP)."""
-    ce = parts.ce_num / max(ce_den, 1e-9)
-    rest = (w_tv * parts.tv_num + w_conf * parts.conf_num) / max(den, 1e-9)
-    return scale * (w_ce * ce + rest)
+    """(0.1 CE + 0.9 TV + 1.0 BCE) sums over one GLOBAL denominator: the weight mass of the optimizer
+    step's valid slots, known from the data before any forward, so micro-batches and ranks can each
+    backpropagate their share (times scale, e.g. the world size under DDP). CE sums only the slots whose
+    label is in the draft vocabulary; with the vocabulary covering ~97% of labels that is a rounding."""
+    return scale * (w_ce * parts.ce_num + w_tv * parts.tv_num + w_conf * parts.conf_num) / max(den, 1e-9)
 
 
 def summarize(stats: torch.Tensor, gamma: int) -> dict:
@@ -92,6 +86,8 @@ def summarize(stats: torch.Tensor, gamma: int) -> dict:
     ce, tv, conf = ce_num / max(ce_den, 1e-9), tv_num / max(den, 1e-9), conf_num / max(den, 1e-9)
     acc = (soft / count.clamp(min=1)).tolist()
     tau_est = 1.0 + sum(math.prod(acc[:k + 1]) for k in range(gamma))  # chain of conditional acceptances
+    reached = torch.cat([torch.tensor([blocks], dtype=lead.dtype), lead[:-1]])  # blocks whose slots < k all survived
     return {"loss": 0.1 * ce + 0.9 * tv + conf, "ce": ce, "tv": tv, "bce": conf, "acc": acc,
             "greedy_match": (match / count.clamp(min=1)).tolist(),
+            "greedy_accept": (lead / reached.clamp(min=1)).tolist(),  # P(draft k survives | 1..k-1 did)
             "greedy_tau": 1.0 + float(lead.sum()) / max(blocks, 1.0), "tau_est": tau_est}

@@ -105,7 +105,7 @@ def greedy_logs(drafter, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
 
     batches yields (ctx_features [B,S,m*d], ids [B,S], anchor_pos [B,A], anchor_valid [B,A], loss_mask [B,S]).
     """
-    from dspark.drafters.blocks import block_labels, block_positions, train_mask
+    from dspark.drafters.blocks import block_labels
 
     if drafter.confidence_head is None:
         raise ValueError("this drafter has no confidence head: nothing to calibrate")
@@ -117,11 +117,8 @@ def greedy_logs(drafter, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
         seq = (seen + torch.arange(b)).repeat_interleave(anchor_pos.shape[1])
         seen += b
         pos = torch.where(anchor_valid, anchor_pos, 0)
-        ctx = drafter.context_kv(ctx_f, torch.arange(s).expand(b, s))
-        positions = block_positions(pos, g)
-        block_ids = drafter._block_ids(ids.gather(1, pos))
-        h, base = drafter._block_hidden(block_ids.flatten(1), positions.flatten(1), ctx, train_mask(pos, s, g))
-        h, base = h.view(*block_ids.shape, -1).flatten(0, 1), base.view(*block_ids.shape, -1).flatten(0, 1)
+        block_ids, _, h, base = drafter.block_states(ctx_f, ids, pos, anchor_valid)
+        h, base = h.flatten(0, 1), base.flatten(0, 1)
         labels, valid = block_labels(ids, pos, anchor_valid, g, loss_mask)
         labels, valid = labels.flatten(0, 1), valid.flatten(0, 1)
         prev = block_ids[..., 0].flatten()
@@ -180,41 +177,25 @@ def reliability_png(logits: np.ndarray, survived: np.ndarray, valid: np.ndarray,
 def run_from_args(args: argparse.Namespace) -> int:
     """Collect greedy verification logs on held-out sequences, fit, write sts.json + PNG, print the table."""
     from dspark.drafters import DSparkDrafter
-    from dspark.llm import resolve_model_path
-    from dspark.models.loader import load_decoder, resolve_dtype
-    from dspark.train.datagen import load_sequences
-    from dspark.train.features import FEAT, target_features
-    from dspark.train.trainer import sample_anchors
+    from dspark.train.datagen import load_dense_target
+    from dspark.train.features import target_batch
+    from dspark.train.trainer import data_spec, load_dir, pad_anchors, sample_anchors
 
-    target = load_decoder(resolve_model_path(args.model), dtype=resolve_dtype(args.dtype), pack=True,
-                          quantization="auto")  # the target as the engine serves it
-    drafter = DSparkDrafter.from_pretrained(args.drafter, target.embed_tokens.weight, target.lm_head.weight).eval()
+    target, _, _ = load_dense_target(args.model, dtype=args.dtype)
+    drafter = DSparkDrafter.from_pretrained(args.drafter, target.embed, target.lm_head.weight).eval()
     layers = list(drafter.config.target_layer_ids)
-    seqs = load_sequences(args.data, args.max_shards)
+    seqs = load_dir(data_spec(args.data)[0], args.max_shards, args.max_len)
     held = [i for i in range(len(seqs)) if args.val_every_nth and i % args.val_every_nth == 0]
     if not held:
         raise ValueError("no held-out sequences (check --val-every-nth)")
-    cached = _cached_hidden(args, held, FEAT) if args.cache_dir else None
 
     def batches():
+        gen = torch.Generator().manual_seed(1234)
         for j in range(0, len(held), 4):
             idx = held[j:j + 4]
-            ids = [seqs[i][0] for i in idx]
-            hid = [cached[i] for i in idx] if cached else [f[0] for f in target_features(target, ids, layers, 1)]
-            s = max(len(x) for x in ids)
-            masks = [torch.arange(len(x)) >= seqs[i][1] for i, x in zip(idx, ids)]
-            gen = torch.Generator().manual_seed(1234)
-            anchors = [sample_anchors(m, args.max_anchors, gen) for m in masks]
-            a = max(1, max(len(x) for x in anchors))
-            t_ids = torch.zeros(len(idx), s, dtype=torch.long)
-            t_mask = torch.zeros(len(idx), s, dtype=torch.bool)
-            t_hid = torch.zeros(len(idx), s, hid[0].shape[1])
-            t_ap = torch.zeros(len(idx), a, dtype=torch.long)
-            t_av = torch.zeros(len(idx), a, dtype=torch.bool)
-            for r, (x, m, h, an) in enumerate(zip(ids, masks, hid, anchors)):
-                t_ids[r, :len(x)], t_mask[r, :len(x)], t_hid[r, :len(x)] = x, m, h.float()
-                t_ap[r, :len(an)], t_av[r, :len(an)] = an, True
-            yield t_hid, t_ids, t_ap, t_av, t_mask
+            tb = target_batch(target, [seqs[i][:2] for i in idx], layers)
+            pos, valid = pad_anchors([sample_anchors(seqs[i][1], args.max_anchors, gen) for i in idx])
+            yield tb.hidden.to(drafter.fc.weight.dtype), tb.ids, pos, valid, tb.loss_mask
 
     z, surv, valid, seq = greedy_logs(drafter, batches())
     # Fit on half the held-out sequences, measure on the other half: the reported ECE is on logs the fit never saw.
@@ -238,27 +219,6 @@ def run_from_args(args: argparse.Namespace) -> int:
     except ImportError:
         print(f"wrote {out} (matplotlib not installed: no reliability diagram)")
     return 0
-
-
-def _cached_hidden(args: argparse.Namespace, held: list[int], feat_name: str) -> dict[int, torch.Tensor]:
-    """Hidden features of the held-out sequences from the feature cache (indices in shard order)."""
-    out: dict[int, torch.Tensor] = {}
-    base = 0
-    wanted = set(held)
-    from dspark.train.datagen import shard_paths
-
-    for shard in shard_paths(args.data, args.max_shards):
-        n = len(torch.load(shard)["prompt_lens"])
-        f = Path(args.cache_dir) / feat_name.format(shard.stem)
-        if any(base + j in wanted for j in range(n)):
-            if not f.exists():
-                raise FileNotFoundError(f"{f} missing: run `dspark train --features-only` or drop --cache-dir")
-            hid = torch.load(f)["hidden"]
-            for j in range(n):
-                if base + j in wanted:
-                    out[base + j] = hid[j]
-        base += n
-    return out
 
 
 def format_table(res: dict[str, Any]) -> str:

@@ -1,4 +1,11 @@
-"""Drafter trainer: anchored blocks, DSpark losses, AdamW + warm-up/cosine, resumable, DDP-ready."""
+"""Drafter trainer: online target features, anchored blocks, DSpark losses, resumable, multi-process.
+
+Each optimizer step takes `batch_size` sequences per rank, packs them by length into micro-batches of
+at most `micro_tokens` tokens, runs the dense bf16 target over each micro-batch (features and exact
+soft labels, nothing cached), then the drafter forward and backward; gradients add up in fp32 masters
+(train/optim.py). Loss denominators are known from the data before any forward, so every micro-batch
+and every rank backpropagates its exact share of the global loss.
+"""
 from __future__ import annotations
 
 import argparse
@@ -16,20 +23,17 @@ import torch.distributed as dist
 
 from dspark.drafters import DrafterConfig, DSparkDrafter, block_labels
 from dspark.train.config import TrainConfig, config_from_args
-from dspark.train.features import SeqFeatures, load_cached, target_features
+from dspark.train.features import TargetBatch, soft_labels, target_batch
 from dspark.train.losses import combine, dspark_loss_parts, position_weights, summarize
+from dspark.train.optim import MasterAdamW
 
 CKPT = "ckpt.pt"
+CURVE = "curve"  # run_dir/curve/tokens-N: drafter snapshots at the learning-curve points
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """CLI entry: one process, or one rank under torchrun."""
-    cfg = config_from_args(args)
-    if args.features_only:
-        cfg.steps, cfg.stop_after = 0, 0
-    trainer = Trainer(cfg)
-    if not args.features_only:
-        trainer.fit()
+    Trainer(config_from_args(args)).fit()
     return 0
 
 
@@ -43,54 +47,58 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, gen: torch.Generat
     return cand
 
 
-def collate(samples: list[SeqFeatures], anchors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Pad a batch: ids/mask [B,S], hidden [B,S,m*d], top-K [B,S,K], anchor_pos/valid [B,A]."""
-    b = len(samples)
-    s = max(len(x.ids) for x in samples)
+def pad_anchors(anchors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence anchor lists -> anchor_pos [B, A] and anchor_valid [B, A]."""
     a = max(1, max(len(x) for x in anchors))
-    k = samples[0].top_ids.shape[1]
-    out = {"ids": torch.zeros(b, s, dtype=torch.long), "mask": torch.zeros(b, s, dtype=torch.bool),
-           "hidden": torch.zeros(b, s, samples[0].hidden.shape[1]), "top_ids": torch.zeros(b, s, k, dtype=torch.long),
-           "top_probs": torch.zeros(b, s, k), "anchor_pos": torch.zeros(b, a, dtype=torch.long),
-           "anchor_valid": torch.zeros(b, a, dtype=torch.bool)}
-    for i, (x, an) in enumerate(zip(samples, anchors)):
-        n = len(x.ids)
-        out["ids"][i, :n], out["mask"][i, :n] = x.ids, x.loss_mask
-        out["hidden"][i, :n] = x.hidden.float()
-        out["top_ids"][i, :n], out["top_probs"][i, :n] = x.top_ids, x.top_probs
-        out["anchor_pos"][i, :len(an)], out["anchor_valid"][i, :len(an)] = an, True
-    return out
+    pos = torch.zeros(len(anchors), a, dtype=torch.long)
+    valid = torch.zeros(len(anchors), a, dtype=torch.bool)
+    for i, an in enumerate(anchors):
+        pos[i, :len(an)], valid[i, :len(an)] = an, True
+    return pos, valid
 
 
-class OnlineFeatures:
-    """Sequences whose target features are computed on first use by a teacher-forced target pass."""
+def on_greedy_path(greedy: torch.Tensor, ids: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
+    """[B, A, gamma] bool: slot k's context is one greedy decoding would reach, i.e. the data tokens at
+    anchor+1 .. anchor+k-1 equal the target's greedy tokens there. Inference only reaches slot k after
+    drafts 1..k-1 matched the target, so on text the target would not have written (human chats, sampled
+    answers) the slots after a disagreement are left out; on the target's own greedy answers none are.
 
-    def __init__(self, decoder, seqs: list[tuple[torch.Tensor, int]], layers: list[int], topk: int):
-        self.decoder, self.seqs, self.layers, self.topk = decoder, seqs, layers, topk
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def get_many(self, idx: list[int]) -> list[SeqFeatures]:
-        """Features for several sequences in one ragged target forward."""
-        ids = [self.seqs[i][0] for i in idx]
-        feats = target_features(self.decoder, ids, self.layers, self.topk)
-        return [SeqFeatures(x, torch.arange(len(x)) >= self.seqs[i][1], h, t, p)
-                for i, x, (h, t, p) in zip(idx, ids, feats)]
+    greedy [B, A, gamma]: the target's greedy token at rows anchor+k (a prediction of position anchor+k+1)."""
+    g = greedy.shape[-1]
+    nxt = ids.gather(1, (anchor_pos.unsqueeze(-1) + 1 + torch.arange(g, device=ids.device)).clamp(
+        max=ids.shape[1] - 1).flatten(1)).view_as(greedy)  # data token at anchor+k+1
+    agree = (nxt == greedy).long().cumprod(-1).bool()  # slots 1..k+1 all agree
+    return torch.cat([torch.ones_like(agree[..., :1]), agree[..., :-1]], dim=-1)
 
 
-class CachedFeatures:
-    """Sequences with precomputed features held in memory."""
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group item indices, sorted by length, into runs whose padded size (count x longest) fits budget."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
-    def __init__(self, items: list[SeqFeatures]):
-        self.items = items
 
-    def __len__(self) -> int:
-        return len(self.items)
+def data_spec(spec: str) -> tuple[str, int]:
+    """"DIR" or "DIR:K" (its training sequences K times per epoch) -> (DIR, K)."""
+    path, sep, k = spec.rpartition(":")
+    if sep and k.isdigit() and int(k) >= 1:
+        return path, int(k)
+    return spec, 1
 
-    def get_many(self, idx: list[int]) -> list[SeqFeatures]:
-        """The cached features of these sequences."""
-        return [self.items[i] for i in idx]
+
+def load_dir(path: str, max_shards: int | None, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """(ids, loss mask, source) of one data directory's sequences, cut to max_len tokens."""
+    from dspark.train.datagen import load_sequences
+
+    seqs = load_sequences(path, max_shards)
+    if not seqs:
+        raise ValueError(f"no shard_*.pt in {path}: run `dspark train-data` first")
+    return [(ids[:max_len], mask[:max_len], src) for ids, mask, src in seqs if mask[:max_len].sum() > 1]
 
 
 # ---- training --------------------------------------------------------------------------------------
@@ -102,9 +110,8 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.rank, self.world = _init_distributed()
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-                                   if torch.cuda.is_available() and self.world > 1 else
-                                   ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available()
+                                   else "cpu")
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._load_target()
@@ -114,12 +121,14 @@ class Trainer:
     def _load_target(self) -> None:
         from dspark.llm import resolve_model_path
         from dspark.models.loader import load_decoder, resolve_dtype
+        from dspark.train.dense_target import DenseTarget
 
         self.model_path = resolve_model_path(self.cfg.model)
         self.target_cfg = json.loads((self.model_path / "config.json").read_text())
         dtype = resolve_dtype(self.cfg.target_dtype, str(self.device))
-        self.decoder = load_decoder(self.model_path, dtype=dtype, device=str(self.device), pack=True,
-                                    quantization="auto")  # the target as the engine serves it
+        decoder = load_decoder(self.model_path, dtype=dtype, device=str(self.device), quantization="none")
+        self.target = DenseTarget(decoder)
+        self.embed, self.lm_head = decoder.embed_tokens.weight, decoder.lm_head.weight
 
     def _draft_config(self) -> DrafterConfig:
         c = self.cfg
@@ -133,38 +142,30 @@ class Trainer:
         return DrafterConfig.for_target(self.target_cfg, **over)
 
     def _load_data(self) -> None:
-        from dspark.train.datagen import load_sequences
-        from dspark.train.features import cache_features
-
         c = self.cfg
         self.dcfg = self._draft_config()
-        layers = list(self.dcfg.target_layer_ids)
-        raw = load_sequences(c.data, c.max_shards)
-        if not raw:
-            raise ValueError(f"no shard_*.pt in {c.data}: run `dspark train-data` first")
-        if c.cache_dir:
-            if self.rank == 0:
-                cache_features(c.data, c.cache_dir, self.decoder, layers, c.topk,
-                               log=lambda m: print(f"[features] {m}", flush=True), max_shards=c.max_shards)
-            _barrier(self.world)
-            items = load_cached(c.data, c.cache_dir, c.max_shards)
-            store: Any = CachedFeatures(items)
-        else:
-            store = OnlineFeatures(self.decoder, [(ids, plen) for ids, plen, _ in raw], layers, c.topk)
-        self.store = store
-        n = len(raw)
-        self.val_idx = [i for i in range(n) if c.val_every_nth and i % c.val_every_nth == 0]
-        held = set(self.val_idx)
-        self.train_idx = [i for i in range(n) if i not in held]
-        self.sources = {}
+        self.seqs, self.val_idx, self.train_idx = [], [], []
+        self.val_sets: dict[str, list[int]] = {}  # directory name -> its validation sequences
+        for spec in c.data:  # every n-th sequence of each directory is held out; the rest repeat K times
+            path, k = data_spec(spec)
+            base = len(self.seqs)
+            self.seqs += load_dir(path, c.max_shards, c.max_seq_len)
+            held = []
+            for j in range(len(self.seqs) - base):
+                if c.val_every_nth and j % c.val_every_nth == 0:
+                    held.append(base + j)
+                else:
+                    self.train_idx += [base + j] * k
+            self.val_idx += held
+            self.val_sets[Path(path).name] = held[:c.val_max] if c.val_max else held
+        if not self.train_idx:
+            raise ValueError("no training sequences left after the held-out split")
+        self.sources: dict[str, int] = {}
         for i in self.train_idx:
-            self.sources[raw[i][2]] = self.sources.get(raw[i][2], 0) + 1
-        self.train_tokens = sum(len(raw[i][0]) - raw[i][1] for i in self.train_idx)
-        self._raw = raw
+            self.sources[self.seqs[i][2]] = self.sources.get(self.seqs[i][2], 0) + 1
+        self.train_tokens = sum(int(self.seqs[i][1].sum()) for i in self.train_idx)
 
     def _build_model(self) -> None:
-        from dspark.train.vocab import build_d2t, coverage, token_counts
-
         c, dcfg = self.cfg, self.dcfg
         d2t, self.vocab_info = None, {}
         init = self._init_tensors()
@@ -172,29 +173,38 @@ class Trainer:
             d2t = init["d2t"].long()
             self.vocab_info = {"draft_vocab_size": dcfg.draft_vocab_size, "from": c.init_from}
         elif dcfg.draft_vocab_size is not None:
-            counts = token_counts(((self._raw[i][0], torch.arange(len(self._raw[i][0])) >= self._raw[i][1])
-                                   for i in self.train_idx), dcfg.vocab_size)
-            eos = self.target_cfg.get("eos_token_id", [])
-            d2t = build_d2t(counts, dcfg.draft_vocab_size, always=eos if isinstance(eos, list) else [eos])
-            self.vocab_info = {"draft_vocab_size": dcfg.draft_vocab_size,
-                               "train_token_coverage": round(coverage(counts, d2t), 5)}
+            d2t, self.vocab_info = self._build_vocab()
         torch.manual_seed(c.seed)
-        dec = self.decoder
-        self.model = DSparkDrafter(dcfg, dec.embed_tokens.weight, dec.lm_head.weight, d2t=d2t,
-                                   dtype=torch.float32).to(self.device)
+        dtype = torch.bfloat16 if c.compute_dtype == "bfloat16" else torch.float32
+        self.model = DSparkDrafter(dcfg, self.embed, self.lm_head, d2t=d2t, dtype=dtype).to(self.device)
         if init is not None:
-            self.model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init.items()},
+            self.model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in init.items()},
                                        strict=True)
-        self.ddp = self.model
-        if self.world > 1:
-            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=c.lr, betas=(0.9, 0.95), weight_decay=c.weight_decay)
+        self.opt = MasterAdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
         self.global_batch = c.batch_size * self.world
         self.steps_per_epoch = max(1, len(self.train_idx) // self.global_batch)
         self.total_steps = c.steps or max(1, int(math.ceil(c.epochs * self.steps_per_epoch)))
         self.weights = position_weights(dcfg.block_size, c.decay, self.device)
-        self.step = 0
+        self.step, self.tokens_seen, self.wall = 0, 0, 0.0
+        self.tokens_before = int(self._init_meta().get("tokens_seen", 0))  # earlier runs (--init-from)
+
+    def _build_vocab(self) -> tuple[torch.Tensor, dict]:
+        """The draft vocabulary: the most frequent target outputs in the generated data (the target's own
+        answers), else in every loss token of the mix."""
+        from dspark.train.vocab import build_d2t, coverage, token_counts
+
+        own = [i for i in self.train_idx if self.seqs[i][2] != "sharegpt_chat"] or self.train_idx
+        counts = token_counts(((self.seqs[i][0], self.seqs[i][1]) for i in own), self.dcfg.vocab_size)
+        eos = self.target_cfg.get("eos_token_id", [])
+        d2t = build_d2t(counts, self.dcfg.draft_vocab_size, always=eos if isinstance(eos, list) else [eos])
+        return d2t, {"draft_vocab_size": self.dcfg.draft_vocab_size, "counted_sequences": len(own),
+                     "train_token_coverage": round(coverage(counts, d2t), 5)}
+
+    def _init_meta(self) -> dict:
+        """The "dspark" metadata of the --init-from drafter ({} without one)."""
+        if not self.cfg.init_from:
+            return {}
+        return json.loads((Path(self.cfg.init_from) / "config.json").read_text()).get("dspark", {})
 
     def _init_tensors(self) -> dict[str, torch.Tensor] | None:
         """--init-from: the checkpoint's tensors, after checking its config matches this run's."""
@@ -233,75 +243,95 @@ class Trainer:
         mine = chunk[self.rank * self.cfg.batch_size:(self.rank + 1) * self.cfg.batch_size]
         return [self.train_idx[i] for i in mine]
 
-    def make_batch(self, idx: list[int], epoch: int) -> tuple[dict[str, torch.Tensor], int]:
-        """Collated features + per-sequence anchors (seeded by epoch and sequence index); token count."""
-        samples = self.store.get_many(idx)
-        anchors = []
-        for i, s in zip(idx, samples):
+    def anchors_for(self, idx: list[int], epoch: int) -> list[torch.Tensor]:
+        """Anchors per sequence, seeded by (epoch, sequence index): the same whatever the batch layout."""
+        out = []
+        for i in idx:
             g = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + epoch) * 10_000_019 + i)
-            anchors.append(sample_anchors(s.loss_mask, self.cfg.anchors, g))
-        return collate(samples, anchors), sum(len(s.ids) for s in samples)
+            out.append(sample_anchors(self.seqs[i][1], self.cfg.anchors, g))
+        return out
+
+    def slot_mass(self, idx: list[int], anchors: list[torch.Tensor]) -> float:
+        """The loss denominator of these sequences: the position-weighted count of valid block slots."""
+        total = 0.0
+        for i, an in zip(idx, anchors):
+            ids, mask, _ = self.seqs[i]
+            _, valid = block_labels(ids.unsqueeze(0), an.unsqueeze(0), torch.ones(1, len(an), dtype=torch.bool),
+                                    self.dcfg.block_size, mask.unsqueeze(0))
+            total += float((valid.float() * self.weights.cpu()).sum())
+        return total
 
     # -- one pass
-    def loss_parts(self, batch: dict[str, torch.Tensor], module: torch.nn.Module):
-        """Forward the drafter over all anchored blocks -> LossParts."""
-        b = {k: v.to(self.device) for k, v in batch.items()}
+    def loss_parts(self, tb: TargetBatch, anchor_pos: torch.Tensor, anchor_valid: torch.Tensor):
+        """Drafter forward over all anchored blocks of a target batch -> LossParts."""
         g = self.dcfg.block_size
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.compute_dtype == "bfloat16"):
-            out = module(b["hidden"], b["ids"], b["anchor_pos"], b["anchor_valid"])
-        labels, valid = block_labels(b["ids"], b["anchor_pos"], b["anchor_valid"], g, b["mask"])
-        rows = b["anchor_pos"].unsqueeze(-1) + torch.arange(g, device=self.device)  # p_t row of slot k
-        bsz, a, _ = rows.shape
-        flat = rows.clamp(max=b["ids"].shape[1] - 1).view(bsz, a * g, 1)
-        kk = b["top_ids"].shape[-1]
-        top_ids = b["top_ids"].gather(1, flat.expand(-1, -1, kk)).view(bsz, a, g, kk)
-        top_probs = b["top_probs"].gather(1, flat.expand(-1, -1, kk)).view(bsz, a, g, kk)
-        if self.model.d2t is not None:
-            top_ids = self.model.t2d[top_ids]
-        return dspark_loss_parts(out.logits, out.conf_logits, self.model.draft_labels(labels), valid,
-                                 top_ids, top_probs, self.weights)
+        anchor_pos, anchor_valid = anchor_pos.to(self.device), anchor_valid.to(self.device)
+        out = self.model(tb.hidden, tb.ids, anchor_pos, anchor_valid)
+        _, valid = block_labels(tb.ids, anchor_pos, anchor_valid, g, tb.loss_mask)
+        s = tb.ids.shape[1]
+        rows = (anchor_pos.unsqueeze(-1) + torch.arange(g, device=self.device)).clamp(max=s - 1)  # slot k: anchor+k
+        b, a, _ = rows.shape
+        flat = (rows + s * torch.arange(b, device=self.device).view(b, 1, 1)).flatten()  # into [B*S]
+        need, where = flat.unique(return_inverse=True)  # each position's p_t once, however many blocks share it
+        pt, greedy = soft_labels(self.target, tb.final.flatten(0, 1).index_select(0, need), self.model.d2t)
+        pt, greedy = pt.index_select(0, where), greedy.index_select(0, where).view(b, a, g)
+        valid = valid & on_greedy_path(greedy, tb.ids, anchor_pos)
+        labels = self.model.draft_labels(greedy.masked_fill(~valid, -100))
+        return dspark_loss_parts(out.logits, out.conf_logits, labels, valid, pt.view(b, a, g, -1), self.weights)
+
+    def _micro(self, idx: list[int], anchors: list[torch.Tensor]):
+        """(target batch, anchor_pos, anchor_valid, token count) per micro-batch of these sequences."""
+        for group in micro_batches([len(self.seqs[i][0]) for i in idx], self.cfg.micro_tokens):
+            seqs = [self.seqs[idx[j]][:2] for j in group]
+            tb = target_batch(self.target, seqs, self.dcfg.target_layer_ids)
+            pos, valid = pad_anchors([anchors[j] for j in group])
+            yield tb, pos, valid, sum(len(s[0]) for s in seqs)
 
     def train_step(self, step: int) -> tuple[dict, int]:
         """One optimizer step on this step's global batch; returns global stats and local tokens."""
         epoch = step // self.steps_per_epoch
-        batch, ntok = self.make_batch(self.batch_indices(step), epoch)
+        idx = self.batch_indices(step)
+        anchors = self.anchors_for(idx, epoch)
+        den = torch.tensor([self.slot_mass(idx, anchors)], dtype=torch.float64)
+        _all_reduce(den, self.world)
         self.model.train()
-        parts = self.loss_parts(batch, self.ddp)
-        dens = torch.stack([parts.ce_den, parts.den]).double()
-        _all_reduce(dens, self.world)
-        loss = combine(parts, float(dens[0]), float(dens[1]), scale=float(self.world))
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        for grp in self.opt.param_groups:
-            grp["lr"] = self.lr_at(step)
-        self.opt.step()
-        stats = parts.stats()
+        stats, ntok = None, 0
+        for tb, pos, valid, n in self._micro(idx, anchors):
+            parts = self.loss_parts(tb, pos, valid)
+            combine(parts, float(den)).backward()
+            self.opt.accumulate()
+            st = parts.stats()
+            stats, ntok = (st if stats is None else stats + st), ntok + n
+        self.opt.step(self.lr_at(step), self.cfg.grad_clip, self.world)
         _all_reduce(stats, self.world)
         return summarize(stats, self.dcfg.block_size), ntok
 
     @torch.no_grad()
-    def validate(self, batch_size: int | None = None) -> dict:
-        """Same metrics on the held-out split (fixed anchors), summed over ranks."""
+    def validate(self) -> dict:
+        """Held-out metrics (fixed anchors), summed over ranks: all sets together, and per data directory
+        under "sets" when there are several."""
         self.model.eval()
-        mine = self.val_idx[self.rank::self.world]
-        bs = batch_size or self.cfg.batch_size
-        total = None
-        for j in range(0, len(mine), bs):
-            batch, _ = self.make_batch(mine[j:j + bs], epoch=-1)
-            st = self.loss_parts(batch, self.model).stats()
-            total = st if total is None else total + st
-        if total is None:
+        totals = {}
+        for name, held in self.val_sets.items():
             total = torch.zeros(6 + 4 * self.dcfg.block_size, dtype=torch.float64)
-        _all_reduce(total, self.world)
-        return summarize(total, self.dcfg.block_size)
+            mine = held[self.rank::self.world]
+            for j in range(0, len(mine), self.cfg.batch_size):
+                idx = mine[j:j + self.cfg.batch_size]
+                for tb, pos, valid, _ in self._micro(idx, self.anchors_for(idx, epoch=-1)):
+                    total += self.loss_parts(tb, pos, valid).stats()
+            _all_reduce(total, self.world)
+            totals[name] = total
+        out = summarize(sum(totals.values()), self.dcfg.block_size)
+        if len(totals) > 1:
+            out["sets"] = {name: summarize(t, self.dcfg.block_size) for name, t in totals.items()}
+        return out
 
     # -- checkpoints
     def save_checkpoint(self) -> None:
-        """Atomic ckpt.pt: model, optimizer, step, RNG, data position (rank 0 writes)."""
+        """Atomic ckpt.pt: model, optimizer, step, tokens, wall time, RNG (rank 0 writes)."""
         if self.rank == 0:
             state = {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": self.step,
-                     "epoch": self.step // self.steps_per_epoch, "rng": torch.get_rng_state(),
+                     "tokens_seen": self.tokens_seen, "wall": self.wall, "rng": torch.get_rng_state(),
                      "py_rng": random.getstate(), "drafter_config": self.dcfg.to_dict(),
                      "train_config": dataclasses.asdict(self.cfg)}
             tmp = self.run_dir / (CKPT + ".tmp")
@@ -319,7 +349,7 @@ class Trainer:
             raise ValueError(f"{path} was trained with another drafter config; use a new --run-dir")
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optim"])
-        self.step = int(state["step"])
+        self.step, self.tokens_seen, self.wall = int(state["step"]), int(state["tokens_seen"]), float(state["wall"])
         torch.set_rng_state(state["rng"])
         random.setstate(state["py_rng"])
         return True
@@ -329,6 +359,14 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def _curve_point(self) -> None:
+        """A learning-curve point: held-out metrics and a drafter snapshot at this many tokens."""
+        val = self.validate()
+        total = self.tokens_before + self.tokens_seen
+        self._log({"step": self.step, "tokens": total, "wall_s": round(self.wall, 1), "val": val})
+        if self.rank == 0 and self.cfg.curve_snapshots:
+            self.export(str(self.run_dir / CURVE / f"tokens-{total}"), val, quiet=True)
+
     def fit(self) -> dict:
         """Train to total_steps (resuming if a checkpoint exists), validate, export; returns val metrics."""
         from tqdm import tqdm
@@ -336,34 +374,40 @@ class Trainer:
         resumed = self.maybe_resume()
         c = self.cfg
         if self.rank == 0:
-            print(f"[train] {len(self.train_idx)} train / {len(self.val_idx)} val sequences, "
-                  f"{self.total_steps} steps x {self.global_batch} seqs, world {self.world}"
-                  + (f", resumed at step {self.step}" if resumed else ""), flush=True)
+            print(f"[train] {len(self.train_idx)} train / {len(self.val_idx)} val sequences "
+                  f"({self.train_tokens} train loss tokens), {self.total_steps} steps x {self.global_batch} seqs, "
+                  f"world {self.world}" + (f", resumed at step {self.step}" if resumed else ""), flush=True)
         bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, dynamic_ncols=True)
-        t_start, tok_seen = time.perf_counter(), 0
+        next_point = _next_curve_point(self.tokens_before + self.tokens_seen, c.curve_start)
         while self.step < self.total_steps:
             if c.stop_after is not None and self.step >= c.stop_after:
                 bar.close()
                 return {}
+            t0 = time.perf_counter()
             m, ntok = self.train_step(self.step)
+            ntok_t = torch.tensor([float(ntok)], dtype=torch.float64)
+            _all_reduce(ntok_t, self.world)
             self.step += 1
-            tok_seen += ntok * self.world
-            tps = tok_seen / (time.perf_counter() - t_start)
+            self.tokens_seen += int(ntok_t)
+            dt = time.perf_counter() - t0
+            self.wall += dt
             bar.update(1)
-            bar.set_postfix_str(f"loss {m['loss']:.3f} acc {'/'.join(f'{a:.2f}' for a in m['acc'])} "
-                                f"{tps:.0f} tok/s")
+            bar.set_postfix_str(f"loss {m['loss']:.3f} tau {m['greedy_tau']:.2f} {int(ntok_t) / dt:.0f} tok/s")
             if self.step % c.log_every == 0:
-                self._log({"step": self.step, "lr": self.lr_at(self.step - 1), "tok_s": round(tps, 1), **m})
-            if c.val_interval and self.step % c.val_interval == 0 and self.step < self.total_steps:
-                self._log({"step": self.step, "val": self.validate()})
+                self._log({"step": self.step, "tokens": self.tokens_before + self.tokens_seen,
+                           "wall_s": round(self.wall, 1), "lr": self.lr_at(self.step - 1),
+                           "tok_s": round(int(ntok_t) / dt, 1), **m})
+            if c.curve_start and self.tokens_before + self.tokens_seen >= next_point and self.val_idx:
+                self._curve_point()
+                next_point = _next_curve_point(self.tokens_before + self.tokens_seen, c.curve_start)
             if self.step % c.ckpt_every == 0 or self.step == self.total_steps:
                 self.save_checkpoint()
         bar.close()
         val = self.validate() if self.val_idx else {}
-        self._log({"step": self.step, "val": val, "final": True})
+        self._log({"step": self.step, "tokens": self.tokens_before + self.tokens_seen, "wall_s": round(self.wall, 1),
+                   "val": val, "final": True})
         if self.rank == 0 and val:
-            print("[val] " + json.dumps({k: (round(v, 4) if isinstance(v, float) else [round(x, 3) for x in v])
-                                         for k, v in val.items()}), flush=True)
+            print("[val] " + json.dumps(_rounded(val)), flush=True)
         if c.export and self.rank == 0:
             self.export(c.export, val)
         _barrier(self.world)
@@ -371,36 +415,80 @@ class Trainer:
 
     def recipe(self, val: dict) -> dict:
         """Training recipe + data recipe + validation metrics for the checkpoint metadata."""
-        manifest = Path(self.cfg.data) / "manifest.json"
-        data = json.loads(manifest.read_text()) if manifest.exists() else {}
+        from dspark.train.datagen import read_manifest
+
+        data = {}
+        for spec in self.cfg.data:
+            path, k = data_spec(spec)
+            try:
+                data[Path(path).name] = {**read_manifest(path).get("recipe", {}), "repeat": k}
+            except FileNotFoundError:
+                data[Path(path).name] = {"repeat": k}
         cfg = dataclasses.asdict(self.cfg)
         return {"trained_for": {"model": self.target_cfg.get("_name_or_path") or str(self.model_path.name),
                                 "hidden_size": self.dcfg.hidden_size, "vocab_size": self.dcfg.vocab_size,
                                 "num_hidden_layers": self.target_cfg.get("num_hidden_layers")},
-                "train": {k: cfg[k] for k in ("batch_size", "anchors", "lr", "warmup", "min_lr_ratio",
-                                               "weight_decay", "grad_clip", "decay", "topk", "seed",
-                                               "val_every_nth", "epochs")},
+                "train": {k: cfg[k] for k in ("batch_size", "micro_tokens", "anchors", "max_seq_len", "lr",
+                                               "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "decay",
+                                               "seed", "val_every_nth", "epochs", "compute_dtype")},
                 "steps": self.total_steps, "world_size": self.world,
-                "losses": "0.1 CE + 0.9 TV + 1.0 BCE(conf, 1 - 0.5|p_d - p_t|_1), w_k = exp(-(k-1)/decay)",
-                "train_sequences": len(self.train_idx), "train_response_tokens": self.train_tokens,
+                "losses": "0.1 CE(target argmax) + 0.9 TV(exact, full-vocabulary p_t) + 1.0 BCE(conf, "
+                          "1 - 0.5|p_d - p_t|_1), w_k = exp(-(k-1)/decay), one global denominator",
+                "train_sequences": len(self.train_idx), "train_loss_tokens": self.train_tokens,
+                "tokens_seen": self.tokens_before + self.tokens_seen, "train_wall_s": round(self.wall, 1),
                 "val_sequences": len(self.val_idx), "sources": self.sources,
-                "data_recipe": data.get("recipe", {}), "vocab": self.vocab_info, "init_from": self.cfg.init_from,
+                "data_recipe": data, "vocab": self.vocab_info, "init_from": self.cfg.init_from,
                 "val": val, **self.cfg.recipe}
 
-    def export(self, directory: str, val: dict) -> None:
+    def export(self, directory: str, val: dict, quiet: bool = False) -> None:
         """save_pretrained in save_dtype (the loader casts back to the target's dtype)."""
         import copy
 
         model = copy.deepcopy(self.model).cpu()
-        if self.cfg.save_dtype == "bfloat16":
-            model = model.to(torch.bfloat16)
+        model = model.to(torch.bfloat16 if self.cfg.save_dtype == "bfloat16" else torch.float32)
         meta = self.recipe(val)
-        if self.model.d2t is not None:
+        if self.model.d2t is not None and not quiet:
             from dspark.train.vocab import time_draft
 
-            meta["vocab"]["draft_block_time"] = time_draft(copy.deepcopy(self.model).cpu().eval())
+            meta["vocab"]["draft_block_time"] = time_draft(copy.deepcopy(model).eval())
         model.save_pretrained(directory, metadata=meta)
-        print(f"[export] {directory}", flush=True)
+        if not quiet:
+            self._export_curve(directory)
+            print(f"[export] {directory}", flush=True)
+
+    def _export_curve(self, directory: str) -> None:
+        """The run log that travels with the checkpoint, and its learning curve (PNG + markdown table)."""
+        from dspark.train.curve import curve_png, curve_points, curve_table, write_run_log
+
+        log = write_run_log(directory, self.run_dir / "metrics.jsonl", self.cfg.init_from)
+        lines = []
+        for name in [None, *self.val_sets] if len(self.val_sets) > 1 else [None]:
+            points = curve_points([log], name)
+            if len(points) > 1:
+                suffix = f"-{name}" if name else ""
+                curve_png(points, Path(directory) / f"learning_curve{suffix}.png", name or "all held-out sets")
+                lines += [f"### {name or 'all held-out sets'}", "", curve_table(points), ""]
+        if lines:
+            (Path(directory) / "learning_curve.md").write_text("\n".join(lines))
+
+
+def _rounded(x: Any) -> Any:
+    """Metrics with floats rounded for printing."""
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return round(x, 4) if isinstance(x, float) else x
+
+
+def _next_curve_point(tokens: int, start: int) -> int:
+    """The next learning-curve point after `tokens`: start x 10^(k/4) (four points a decade)."""
+    if not start:
+        return 0
+    k = 0
+    while start * 10 ** (k / 4) <= tokens:
+        k += 1
+    return int(start * 10 ** (k / 4))
 
 
 # ---- distributed helpers ---------------------------------------------------------------------------

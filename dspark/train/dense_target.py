@@ -1,0 +1,248 @@
+"""The target as plain dense bf16 passes over padded batches, for training: teacher-forced features and
+batched generation with a static KV cache.
+
+The engine's decoder is built for serving: a paged cache, 4-bit weights that are fastest at a few rows,
+and fp32 attention that keeps every row bit-identical whatever the window. Training wants the opposite
+trade: thousands of rows per call, no cache between calls. DenseTarget takes the served model's weights
+(the GGUF's 4-bit groups dequantised to bf16: the same values up to bf16 rounding of the group scales),
+packs every linear once for oneDNN, and runs causal SDPA over right-padded [B, S] batches, where padding
+at the end never changes an earlier position. `agreement()` measures how often its argmax equals the
+served path's, the figure a drafter trained on it is judged by.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dspark.models.layers import apply_rotary
+from dspark.models.packing import PackedLinear, packing_supported
+
+
+class _Linear:
+    """A linear map over the last axis: oneDNN-packed bf16 on a CPU that has it, F.linear elsewhere."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.packed = PackedLinear(weight, bias) if packing_supported(weight.dtype, weight.device) else None
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed.forward(x) if self.packed is not None else F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _Layer:
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+    norm1: torch.nn.Module
+    norm2: torch.nn.Module
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+
+
+@dataclass
+class Generation:
+    """One generated response."""
+
+    tokens: list[int]  # response ids (the stop token included when one ended it)
+    finish_reason: str  # "stop" or "length"
+
+
+class DenseTarget:
+    """A Decoder's weights run densely: forward() for teacher-forced features, generate() for data."""
+
+    def __init__(self, decoder):
+        """decoder: a dspark Decoder loaded unpacked with quantization "none" (plain weights)."""
+        if decoder.quantization != "none":
+            raise ValueError("DenseTarget needs plain weights: load the decoder with quantization='none'")
+        c = self.config = decoder.config
+        self.dtype, self.device = decoder.dtype, decoder.device
+        self.embed = decoder.embed_tokens.weight
+        self.norm = decoder.norm
+        self.lm_head = _Linear(decoder.lm_head.weight, None)
+        self.rotary = decoder.rotary
+        self.layers = []
+        for layer in decoder.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(_Linear(at.qkv_proj.weight, at.qkv_proj.bias),
+                                      _Linear(at.o_proj.weight, at.o_proj.bias),
+                                      _Linear(mlp.gate_up.weight, mlp.gate_up.bias),
+                                      _Linear(mlp.down.weight, mlp.down.bias),
+                                      layer.input_layernorm, layer.post_attention_layernorm, at.q_norm, at.k_norm))
+        self.h, self.hkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
+        self.eos = set(c.eos_token_ids)
+
+    # ---- one layer -----------------------------------------------------------------------------
+    def _qkv(self, layer: _Layer, x: torch.Tensor, positions: torch.Tensor):
+        """x [B, T, d] at positions [B, T] -> q [B, H, T, hd], k and v [B, Hkv, T, hd] (RoPE applied)."""
+        b, t, _ = x.shape
+        qkv = layer.qkv(layer.norm1(x)).view(b * t, self.h + 2 * self.hkv, self.hd)
+        q, k, v = qkv.split([self.h, self.hkv, self.hkv], dim=1)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        cos, sin = self.rotary.cos_sin(positions.reshape(-1), x.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        shape = lambda n: (b, t, n, self.hd)  # noqa: E731
+        return (q.view(shape(self.h)).transpose(1, 2), k.view(shape(self.hkv)).transpose(1, 2),
+                v.reshape(shape(self.hkv)).transpose(1, 2))
+
+    def _finish(self, layer: _Layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """Residual adds around attention output att [B, H, T, hd] and the MLP."""
+        b, _, t, _ = att.shape
+        x = x + layer.o(att.transpose(1, 2).reshape(b, t, self.h * self.hd))
+        gate, up = layer.gate_up(layer.norm2(x)).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
+
+    # ---- teacher-forced ------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, hidden_layers: Sequence[int] = (),
+                cache: list | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Right-padded ids [B, S] -> (chosen layers' outputs [B, S, m*d] or None, final-normed hidden
+        [B, S, d]). With `cache` (a list), each layer's (k, v) [B, Hkv, S, hd] is appended to it."""
+        b, s = ids.shape
+        x = self.embed[ids]
+        pos = torch.arange(s, device=ids.device).expand(b, s)
+        taps = {}
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, pos)
+            if cache is not None:
+                cache.append((k, v))
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.hkv != self.h)
+            x = self._finish(layer, x, att)
+            if i in hidden_layers:
+                taps[i] = x
+        hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+        return hidden, self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [..., d] -> logits [..., V] in the model dtype."""
+        return self.lm_head(h)
+
+    # ---- generation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = -1, seed: int = 0, batch: int = 64,
+                 max_len: int | None = None) -> list[Generation]:
+        """Answer every prompt (token ids); `batch` slots decode together and a finished slot takes
+        the next prompt at once (continuous batching over a static cache). Greedy at temperature 0."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # long prompts first
+        longest = max((len(p) for p in prompts), default=0)
+        max_len = max_len or longest + max_tokens
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        nb = min(batch, len(prompts))
+        kv = torch.zeros(len(self.layers), 2, nb, self.hkv, max_len, self.hd, dtype=self.dtype, device=self.device)
+        lengths = torch.zeros(nb, dtype=torch.long)
+        owner = [-1] * nb  # prompt index per slot
+        outs: dict[int, list[int]] = {}
+        results: list[Generation | None] = [None] * len(prompts)
+        last = torch.zeros(nb, dtype=torch.long, device=self.device)
+        pending = list(order)
+
+        def finish(slot: int, reason: str) -> None:
+            results[owner[slot]] = Generation(outs.pop(owner[slot]), reason)
+            owner[slot] = -1
+
+        while pending or any(o >= 0 for o in owner):
+            free = [s for s in range(nb) if owner[s] < 0]
+            if pending and free:
+                take = [pending.pop(0) for _ in free[:len(pending)]]
+                first = self._prefill(kv, free[:len(take)], [prompts[i] for i in take], lengths,
+                                      temperature, top_p, top_k, gen)
+                for slot, i, tok in zip(free, take, first.tolist()):
+                    owner[slot], outs[i] = i, [tok]
+                    last[slot] = tok
+                    if tok in self.eos:
+                        finish(slot, "stop")
+                    elif max_tokens <= 1 or lengths[slot] >= max_len:
+                        finish(slot, "length")
+                if pending and any(o < 0 for o in owner):
+                    continue
+            active = [s for s in range(nb) if owner[s] >= 0]
+            if not active:
+                continue
+            nxt = self._decode(kv, last, lengths, active, temperature, top_p, top_k, gen)
+            for slot, tok in zip(active, nxt.tolist()):
+                lengths[slot] += 1
+                outs[owner[slot]].append(tok)
+                last[slot] = tok
+                if tok in self.eos:
+                    finish(slot, "stop")
+                elif len(outs[owner[slot]]) >= max_tokens or lengths[slot] >= max_len:
+                    finish(slot, "length")
+        return results  # type: ignore[return-value]
+
+    def _prefill(self, kv, slots: list[int], prompts: list[Sequence[int]], lengths: torch.Tensor,
+                 temperature, top_p, top_k, gen) -> torch.Tensor:
+        """Run new prompts densely, store their K/V in their slots; returns each one's first token."""
+        n = [len(p) for p in prompts]
+        ids = torch.zeros(len(prompts), max(n), dtype=torch.long, device=self.device)
+        for j, p in enumerate(prompts):
+            ids[j, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        cache: list = []
+        _, h = self.forward(ids, cache=cache)
+        for layer, (k, v) in enumerate(cache):
+            for j, slot in enumerate(slots):
+                kv[layer, 0, slot, :, :n[j]] = k[j, :, :n[j]]
+                kv[layer, 1, slot, :, :n[j]] = v[j, :, :n[j]]
+        for j, slot in enumerate(slots):
+            lengths[slot] = n[j]
+        last_h = h[torch.arange(len(prompts)), torch.as_tensor(n) - 1]
+        return _pick(self.logits(last_h).float(), temperature, top_p, top_k, gen)
+
+    def _decode(self, kv, last: torch.Tensor, lengths: torch.Tensor, active: list[int],
+                temperature, top_p, top_k, gen) -> torch.Tensor:
+        """One token for each active slot: write its K/V at its length, attend over its cache."""
+        idx = torch.as_tensor(active, device=self.device)
+        pos = lengths[idx].to(self.device)  # [A] position of the token being fed
+        span = int(pos.max()) + 1
+        x = self.embed[last[idx]].unsqueeze(1)  # [A, 1, d]
+        mask = (torch.arange(span, device=self.device) <= pos.unsqueeze(1)).view(len(active), 1, 1, span)
+        full = len(active) == kv.shape[2]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, pos.unsqueeze(1))
+            kv[i, 0, idx, :, pos] = k[:, :, 0]
+            kv[i, 1, idx, :, pos] = v[:, :, 0]
+            keys = kv[i, 0, :, :, :span] if full else kv[i, 0, idx, :, :span]
+            vals = kv[i, 1, :, :, :span] if full else kv[i, 1, idx, :, :span]
+            att = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=self.hkv != self.h)
+            x = self._finish(layer, x, att)
+        return _pick(self.logits(self.norm(x[:, 0])).float(), temperature, top_p, top_k, gen)
+
+    # ---- checks --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def agreement(self, served, seqs: Sequence[torch.Tensor]) -> float:
+        """Fraction of positions where this pass's argmax equals the served decoder's (teacher-forced)."""
+        same = total = 0
+        for s in seqs:
+            _, h = self.forward(s.view(1, -1).to(self.device))
+            mine = self.logits(h[0]).float().argmax(-1)
+            theirs = served_logits(served, s).argmax(-1)
+            same += int((mine.cpu() == theirs.cpu()).sum())
+            total += len(s)
+        return same / max(total, 1)
+
+
+@torch.no_grad()
+def served_logits(decoder, ids: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced logits [L, V] of one sequence through the engine's decoder (the served path)."""
+    n = len(ids)
+    cache = decoder.new_cache((n + 15) // 16 + 1, block_size=16)
+    cache.reserve("s", n)
+    meta = cache.prepare(["s"], [n])
+    pos = torch.arange(n, device=decoder.device)
+    return decoder(ids.to(decoder.device), pos, cache, meta, logits_rows=pos).logits
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+          gen: torch.Generator) -> torch.Tensor:
+    """Next token per row of logits [R, V]: argmax, or a sample of the warped distribution."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    from dspark.sampling.sampler import warp_probs
+
+    probs = warp_probs(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
