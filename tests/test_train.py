@@ -116,6 +116,15 @@ def test_init_from_starts_from_a_checkpoint(tiny_setup, tmp_path):
         assert torch.equal(state[k], v.to(state[k].dtype)), k
     with pytest.raises(ValueError, match="differs"):
         Trainer(_cfg(model, data, tmp_path / "c", steps=3, draft_vocab_size=512, markov_rank=4, init_from=str(out)))
+    # another draft vocabulary: a fresh one from the data; Markov output rows follow their target token
+    other = Trainer(_cfg(model, data, tmp_path / "e", steps=3, draft_vocab_size=300, init_from=str(out)))
+    old_d2t, new_d2t = saved["d2t"].tolist(), other.model.d2t.tolist()
+    w2_old, w2_new = saved["markov_head.markov_w2.weight"], other.model.markov_head.markov_w2.weight
+    shared = [t for t in new_d2t if t in old_d2t]
+    assert shared and other.vocab_info["carried_over_from_init"] == len(shared)
+    for t in shared[:20]:
+        assert torch.equal(w2_new[new_d2t.index(t)], w2_old[old_d2t.index(t)].to(w2_new.dtype))
+    torch.testing.assert_close(other.model.fc.weight, saved["fc.weight"].to(other.model.fc.weight.dtype))
     with pytest.raises(FileNotFoundError, match="not a drafter directory"):
         Trainer(_cfg(model, data, tmp_path / "d", init_from=str(tmp_path)))
 

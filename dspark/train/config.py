@@ -65,7 +65,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export", default=None, help="save the trained drafter here (config.json + safetensors)")
     p.add_argument("--max-shards", type=int, default=None, metavar="N", help="use only the first N data shards")
     p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from this drafter checkpoint's weights (and draft vocabulary); same shapes")
+                   help="start from this drafter checkpoint's weights (and draft vocabulary); same config, "
+                        "or another --draft-vocab-size (fresh vocabulary, Markov rows carried over by token)")
     for name in ("num_layers", "block_size", "markov_rank", "batch_size", "micro_tokens", "max_seq_len", "anchors",
                  "seed", "val_every_nth", "val_max", "ckpt_every", "log_every", "curve_start"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))

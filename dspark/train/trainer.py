@@ -168,10 +168,10 @@ class Trainer:
     def _build_model(self) -> None:
         c, dcfg = self.cfg, self.dcfg
         d2t, self.vocab_info = None, {}
-        init = self._init_tensors()
+        init = self._init_tensors()  # may build a fresh vocabulary (self.vocab_info)
         if init is not None and "d2t" in init:
             d2t = init["d2t"].long()
-            self.vocab_info = {"draft_vocab_size": dcfg.draft_vocab_size, "from": c.init_from}
+            self.vocab_info = self.vocab_info or {"draft_vocab_size": dcfg.draft_vocab_size, "from": c.init_from}
         elif dcfg.draft_vocab_size is not None:
             d2t, self.vocab_info = self._build_vocab()
         torch.manual_seed(c.seed)
@@ -218,11 +218,32 @@ class Trainer:
         if not (src / CONFIG).is_file():
             raise FileNotFoundError(f"--init-from {src}: not a drafter directory (no {CONFIG})")
         theirs, _ = parse_config(json.loads((src / CONFIG).read_text()), src)
-        if theirs != self.dcfg:
-            diff = {k: (v, getattr(self.dcfg, k)) for k, v in theirs.to_dict().items()
-                    if v != self.dcfg.to_dict()[k]}
+        diff = {k: (v, getattr(self.dcfg, k)) for k, v in theirs.to_dict().items() if v != self.dcfg.to_dict()[k]}
+        tensors = load_file(str(src / WEIGHTS))
+        if set(diff) == {"draft_vocab_size"} and None not in diff["draft_vocab_size"]:
+            return self._new_vocab(tensors)  # same drafter, fresh draft vocabulary
+        if diff:
             raise ValueError(f"--init-from {src}: drafter config differs from this run's (theirs, ours): {diff}")
-        return load_file(str(src / WEIGHTS))
+        return tensors
+
+    def _new_vocab(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Warm start across draft vocabularies: a fresh vocabulary from this run's data; every tensor
+        indexed by draft id (the Markov head's output rows) is carried over by target token, zero for
+        tokens the old vocabulary lacked; everything else is vocabulary-free and kept as is."""
+        d2t, self.vocab_info = self._build_vocab()
+        old = tensors["d2t"].long()
+        where = torch.full((self.dcfg.vocab_size,), -1, dtype=torch.long)
+        where[old] = torch.arange(len(old))
+        src = where[d2t]  # old draft id of each new draft token, -1 if new
+        out = {"d2t": d2t}
+        for k, v in tensors.items():
+            if k != "d2t" and v.dim() >= 1 and v.shape[0] == len(old) and len(old) != self.dcfg.vocab_size:
+                moved = v.new_zeros(len(d2t), *v.shape[1:])
+                moved[src >= 0] = v[src[src >= 0]]
+                v = moved
+            out.setdefault(k, v)
+        self.vocab_info["carried_over_from_init"] = int((src >= 0).sum())
+        return out
 
     # -- schedule / data order
     def lr_at(self, step: int) -> float:
