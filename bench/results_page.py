@@ -1,6 +1,6 @@
 """Regenerate the results page (docs/results.md) for the embedded default target in one command:
 
-    .venv/bin/python bench/results_page.py --eval-dir ../shared/data/eval [--quick]
+    .venv/bin/python bench/results_page.py --eval-dir bench/data/eval [--quick]
 
 Steps, all into --out (default bench/results/): the roofline and SPS curve (the SPS table it measures is
 the one the throughput planner reads in every later step); the offline suite (every method, the first
@@ -28,7 +28,7 @@ HEADER = """# Results: the embedded default (SmolLM2-135M-Instruct)
 
 Regenerate this page (and the figures under `bench/results/`) with one command:
 
-    .venv/bin/python bench/results_page.py --eval-dir ../shared/data/eval
+    .venv/bin/python bench/results_page.py --eval-dir bench/data/eval
 
 Everything below comes from one run of it; `--quick` gives a one-minute smoke version. Methods: `ar`
 (this engine's plain decoding), `ngram` (prompt lookup), `dflash`, `dspark-{fixed,threshold,throughput}`

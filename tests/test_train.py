@@ -86,7 +86,7 @@ def test_greedy_path_drops_slots_after_a_disagreement():
 
     ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
     greedy = torch.tensor([[[11, 12, 99, 14]]])  # rows 0..3 of anchor 0; the data has 13 where greedy says 99
-    ok = on_greedy_path(greedy, ids, torch.tensor([[0]]))
+    ok = on_greedy_path(greedy, ids[:, 1:5].view(1, 1, 4))  # data tokens at anchor 0 + 1..4
     assert ok[0, 0].tolist() == [True, True, True, False]  # slot 3 sits after the disagreement at slot 2
 
 

@@ -11,6 +11,7 @@ served path's, the figure a drafter trained on it is judged by.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -140,7 +141,7 @@ class DenseTarget:
         outs: dict[int, list[int]] = {}
         results: list[Generation | None] = [None] * len(prompts)
         last = torch.zeros(nb, dtype=torch.long, device=self.device)
-        pending = list(order)
+        pending = deque(order)
 
         def finish(slot: int, reason: str) -> None:
             results[owner[slot]] = Generation(outs.pop(owner[slot]), reason)
@@ -149,7 +150,7 @@ class DenseTarget:
         while pending or any(o >= 0 for o in owner):
             free = [s for s in range(nb) if owner[s] < 0]
             if pending and free:
-                take = [pending.pop(0) for _ in free[:len(pending)]]
+                take = [pending.popleft() for _ in free[:len(pending)]]
                 first = self._prefill(kv, free[:len(take)], [prompts[i] for i in take], lengths,
                                       temperature, top_p, top_k, gen)
                 for slot, i, tok in zip(free, take, first.tolist()):

@@ -57,17 +57,15 @@ def pad_anchors(anchors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     return pos, valid
 
 
-def on_greedy_path(greedy: torch.Tensor, ids: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
+def on_greedy_path(greedy: torch.Tensor, data_next: torch.Tensor) -> torch.Tensor:
     """[B, A, gamma] bool: slot k's context is one greedy decoding would reach, i.e. the data tokens at
     anchor+1 .. anchor+k-1 equal the target's greedy tokens there. Inference only reaches slot k after
     drafts 1..k-1 matched the target, so on text the target would not have written (human chats, sampled
     answers) the slots after a disagreement are left out; on the target's own greedy answers none are.
 
-    greedy [B, A, gamma]: the target's greedy token at rows anchor+k (a prediction of position anchor+k+1)."""
-    g = greedy.shape[-1]
-    nxt = ids.gather(1, (anchor_pos.unsqueeze(-1) + 1 + torch.arange(g, device=ids.device)).clamp(
-        max=ids.shape[1] - 1).flatten(1)).view_as(greedy)  # data token at anchor+k+1
-    agree = (nxt == greedy).long().cumprod(-1).bool()  # slots 1..k+1 all agree
+    greedy [B, A, gamma]: the target's greedy token at rows anchor+k (a prediction of position anchor+k+1);
+    data_next [B, A, gamma]: the data token at anchor+k+1 (block_labels' labels)."""
+    agree = (data_next == greedy).long().cumprod(-1).bool()  # slots 1..k+1 all agree
     return torch.cat([torch.ones_like(agree[..., :1]), agree[..., :-1]], dim=-1)
 
 
@@ -288,7 +286,7 @@ class Trainer:
         g = self.dcfg.block_size
         anchor_pos, anchor_valid = anchor_pos.to(self.device), anchor_valid.to(self.device)
         out = self.model(tb.hidden, tb.ids, anchor_pos, anchor_valid)
-        _, valid = block_labels(tb.ids, anchor_pos, anchor_valid, g, tb.loss_mask)
+        data_next, valid = block_labels(tb.ids, anchor_pos, anchor_valid, g, tb.loss_mask)
         s = tb.ids.shape[1]
         rows = (anchor_pos.unsqueeze(-1) + torch.arange(g, device=self.device)).clamp(max=s - 1)  # slot k: anchor+k
         b, a, _ = rows.shape
@@ -296,7 +294,7 @@ class Trainer:
         need, where = flat.unique(return_inverse=True)  # each position's p_t once, however many blocks share it
         pt, greedy = soft_labels(self.target, tb.final.flatten(0, 1).index_select(0, need), self.model.d2t)
         pt, greedy = pt.index_select(0, where), greedy.index_select(0, where).view(b, a, g)
-        valid = valid & on_greedy_path(greedy, tb.ids, anchor_pos)
+        valid = valid & on_greedy_path(greedy, data_next)
         labels = self.model.draft_labels(greedy.masked_fill(~valid, -100))
         return dspark_loss_parts(out.logits, out.conf_logits, labels, valid, pt.view(b, a, g, -1), self.weights)
 
