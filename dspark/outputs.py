@@ -14,10 +14,11 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per round
     verify_lengths: list[int] = field(default_factory=list)  # drafts verified per round
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # finish_reason "error": what failed (the step's other requests went on)
 
     @property
     def mean_accept_length(self) -> float:

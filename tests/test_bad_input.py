@@ -14,11 +14,20 @@ from dspark import LLM, SamplingParams
     ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -3}, "top_k"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
     ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"seed": "x"}, "seed"),
-    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"), ({"seed": 2**64}, "seed"), ({"seed": -(2**63) - 1}, "seed"),
 ])
 def test_bad_sampling_values(kw, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kw)
+
+
+def test_tiny_temperatures_are_greedy():
+    for t in (1e-300, 5e-324, 9.9e-6):
+        p = SamplingParams(temperature=t)
+        assert p.temperature == 0.0 and p.greedy  # the engine and the drafter both see plain 0
+    assert not SamplingParams(temperature=1e-5).greedy
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
 
 
 def test_unknown_model_path(tmp_path):

@@ -6,6 +6,7 @@ Plain decoding is the case of zero drafts.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from dspark.sampling.sampler import sample, warp_probs
 from dspark.sampling_params import SamplingParams
 from dspark.spec.proposer import NoProposer, Proposal, Proposer
 
+log = logging.getLogger("dspark.engine")
 
 @dataclass
 class EngineStats:
@@ -114,40 +116,98 @@ class LLMEngine:
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batched forward; return outputs of the requests that changed."""
+        """Run one batched forward; return outputs of the requests that changed.
+
+        A request whose own processing raises is finished with finish_reason "error" (and its `error`);
+        the step's other requests go on. If the batched part itself raises, each request is retried by
+        itself, so only the one that fails alone is failed."""
         batch = self.scheduler.schedule(1 + self.proposer.max_drafts)
         for seq in batch.preempted:
             self.proposer.release(seq)
             self.stats.preemptions += 1
         if not batch.prefills and not batch.decodes:
             return []
+        try:
+            changed = self._run(batch.prefills, batch.decodes)
+        except Exception as e:  # noqa: BLE001 - attributed below, request by request
+            changed = self._run_alone(batch.prefills, batch.decodes, e)
+        self.stats.steps += 1
+        return [self._isolated_output(s) for s in changed]
+
+    def _run(self, prefills: list[tuple[Sequence, int]], decodes: list[Sequence]) -> list[Sequence]:
+        """Propose, plan and verify these requests in one forward, then commit each one's tokens."""
         t0 = time.perf_counter()
-        prefill_tokens = sum(n for _, n in batch.prefills)  # they share this round's verify pass
-        context = sum(s.num_cached for s in batch.decodes)  # the decodes' cached tokens: the planner prices it
-        proposal = self._propose(batch.decodes, prefill_tokens, context)
+        prefill_tokens = sum(n for _, n in prefills)  # they share this round's verify pass
+        context = sum(s.num_cached for s in decodes)  # the decodes' cached tokens: the planner prices it
+        proposal = self._propose(decodes, prefill_tokens, context)
         t1 = time.perf_counter()
-        lengths = self._plan(batch.decodes, proposal, prefill_tokens, context)
+        lengths = self._plan(decodes, proposal, prefill_tokens, context)
         t2 = time.perf_counter()
         windows = [Window(s.request_id, s.tokens[s.num_cached : s.num_cached + n], s.num_cached,
                           "last" if not s.output_token_ids and s.num_cached + n == s.prefill_target else "none")
-                   for s, n in batch.prefills]
+                   for s, n in prefills]
         full = self.verify_mode == "cap-accept"
         windows += [Window(s.request_id, [s.last_token] + proposal.tokens[i][: None if full else lengths[i]],
-                           s.num_cached, "all") for i, s in enumerate(batch.decodes)]
+                           s.num_cached, "all") for i, s in enumerate(decodes)]
         result = self.runner.run(windows)
         t3 = time.perf_counter()
         changed = []
-        for i, (seq, n) in enumerate(batch.prefills):
-            changed += self._after_prefill(seq, n, result.logits[i], result.hidden[i])
-        k = len(batch.prefills)
-        for i, seq in enumerate(batch.decodes):
-            changed += self._after_verify(seq, proposal, i, lengths[i], result.logits[k + i], result.hidden[k + i])
+        for i, (seq, n) in enumerate(prefills):
+            changed += self._isolated(seq, self._after_prefill, seq, n, result.logits[i], result.hidden[i])
+        k = len(prefills)
+        for i, seq in enumerate(decodes):
+            changed += self._isolated(seq, self._after_verify, seq, proposal, i, lengths[i], result.logits[k + i],
+                                      result.hidden[k + i])
         st = self.stats
-        st.steps += 1
         st.time_draft += t1 - t0
         st.time_plan += t2 - t1
         st.time_verify += t3 - t2
-        return [self._output(s) for s in changed]
+        return changed
+
+    def _run_alone(self, prefills: list[tuple[Sequence, int]], decodes: list[Sequence],
+                   error: Exception) -> list[Sequence]:
+        """The batched forward raised: run each request by itself and fail only those that raise again.
+
+        Nothing a failed forward did is committed (the K/V it wrote lie past num_cached and are written
+        again), so a retried request continues as if the failed forward had not happened."""
+        jobs = [([job], []) for job in prefills] + [([], [seq]) for seq in decodes]
+        if len(jobs) == 1:
+            seq = prefills[0][0] if prefills else decodes[0]
+            self._fail(seq, error)
+            return [seq]
+        changed = []
+        for alone_prefills, alone_decodes in jobs:
+            seq = alone_prefills[0][0] if alone_prefills else alone_decodes[0]
+            try:
+                changed += self._run(alone_prefills, alone_decodes)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                self._fail(seq, e)
+                changed.append(seq)
+        return changed
+
+    def _isolated(self, seq: Sequence, fn, *args) -> list[Sequence]:
+        """fn(*args), one request's share of the step; if it raises, that request alone fails."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - the other requests of the step must go on
+            self._fail(seq, e)
+            return [seq]
+
+    def _isolated_output(self, seq: Sequence) -> RequestOutput:
+        try:
+            return self._output(seq)
+        except Exception as e:  # noqa: BLE001 - e.g. the final detokenization of this request
+            self._fail(seq, e)
+            return self._output(seq)
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """Finish a request whose processing raised, with finish_reason "error"; its cache is freed."""
+        log.error("request %s failed in the engine step; it is stopped, the others go on", seq.request_id,
+                  exc_info=error)
+        seq.error = f"{type(error).__name__}: {error}"
+        seq.finish_reason = "error"
+        if not seq.finished:
+            self._finish(seq)
 
     def _propose(self, seqs: list[Sequence], prefill_tokens: int, context: int) -> Proposal:
         """Drafts for the decoding requests, unless the planner says drafting cannot pay this round."""
@@ -235,12 +295,13 @@ class LLMEngine:
             self.planner.release(seq.request_id)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = final_text(seq, self.tokenizer) if seq.finished else seq.text
+        text = final_text(seq, self.tokenizer) if seq.finished and seq.error is None else seq.text
         if seq.finished:
             self._seqs.pop(seq.request_id, None)
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids, text=text,
             token_ids=list(seq.output_token_ids), finished=seq.finished, finish_reason=seq.finish_reason,
+            error=seq.error,
             accept_lengths=list(seq.stats.accept_lengths), verify_lengths=list(seq.stats.verify_lengths),
             metrics={"rounds": seq.stats.rounds, "drafted": seq.stats.drafted, "verified": seq.stats.verified,
                      "accepted": seq.stats.accepted, "arrival": seq.arrival,

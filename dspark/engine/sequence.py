@@ -41,6 +41,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
     text: str = ""  # detokenized output so far (engine/detokenizer.py)
     prefix_offset: int = 0
     read_offset: int = 0

@@ -20,6 +20,7 @@ def warp_probs(logits: torch.Tensor, temperature: float, top_k: int = -1, top_p:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         cum = sorted_p.cumsum(-1)
         drop = (cum - sorted_p) >= top_p  # keep the smallest prefix whose mass reaches top_p
+        drop[..., 0] = False  # ...never empty: a tiny top_p is 0 in float32, and then every token would drop
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -175,7 +175,7 @@ class EngineLoop:
         before = self._forward_tokens()
         try:
             outputs = self.engine.step()
-        except Exception:  # noqa: BLE001 - fail the batch, keep serving
+        except Exception:  # noqa: BLE001 - outside any one request (the engine isolates those): fail all
             log.exception("engine step failed; failing the %d requests in flight", len(self._live))
             self.metrics.engine_errors.inc()
             self._fail_all(APIError(500, "internal error in the engine step; the request was dropped",
@@ -204,6 +204,13 @@ class EngineLoop:
         if live.first_token is None and out.token_ids:
             live.first_token = now
             m.ttft.observe(now - live.handle.arrival)
+        if out.finish_reason == "error":  # the engine failed this request alone (and logged why)
+            del self._live[out.request_id]
+            m.engine_errors.inc()
+            self._end(live.handle, "error", APIError(500, "internal error while generating this request; it was "
+                                                          "stopped (other requests were not affected)",
+                                                     code="internal_error"))
+            return
         if out.finished:
             del self._live[out.request_id]
             m.e2e.observe(now - live.handle.arrival)

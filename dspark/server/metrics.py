@@ -135,7 +135,8 @@ class ServerMetrics:
                                          "Rounds whose draft at this position (1-based) was accepted; "
                                          "divide by dspark_spec_rounds_total for the per-position acceptance.",
                                          ("position",))
-        self.engine_errors = Counter("dspark_engine_errors_total", "Engine steps that raised (requests failed).")
+        self.engine_errors = Counter("dspark_engine_errors_total",
+                                     "Engine failures: steps that raised, and requests the engine failed alone.")
         self.accept_length = Histogram("dspark_spec_accept_length",
                                        "Tokens committed per verify round (accepted drafts + 1).",
                                        tuple(range(1, max_drafts + 2)))

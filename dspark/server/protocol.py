@@ -12,8 +12,9 @@ from dspark.server.errors import APIError, bad_request, wrong_type
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
-GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (as vLLM does)
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+# sampling extensions other servers take; accepted only at the value that changes nothing
+NEUTRAL = (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1), ("min_p", 0),
+           ("min_tokens", 0))
 
 _KINDS = {
     "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
@@ -39,13 +40,18 @@ class GenerationRequest:
     include_usage: bool = False
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams for this request; a bad value becomes a 400 naming the parameter."""
-        try:
-            return SamplingParams(max_tokens=max_tokens, **self.sampling)
-        except ValueError as e:
-            m = re.match(r"SamplingParams\.(\w+) (.*)", str(e))
-            name, why = (m.group(1), m.group(2)) if m else (None, str(e))
-            raise bad_request(f"Invalid '{name}': {why}" if name else why, param=name) from None
+        """SamplingParams for this request (its values were checked when it was parsed)."""
+        return _sampling_params(self.sampling, max_tokens)
+
+
+def _sampling_params(sampling: dict, max_tokens: int) -> SamplingParams:
+    """SamplingParams(**sampling); a bad value becomes a 400 naming the parameter."""
+    try:
+        return SamplingParams(max_tokens=max_tokens, **sampling)
+    except ValueError as e:
+        m = re.match(r"SamplingParams\.(\w+) (.*)", str(e))
+        name, why = (m.group(1), m.group(2)) if m else (None, str(e))
+        raise bad_request(f"Invalid '{name}': {why}" if name else why, param=name) from None
 
 
 def parse_chat(body: dict) -> GenerationRequest:
@@ -96,7 +102,7 @@ def _request(body: dict, kind: str, *, messages=None, prompt=None, max_tokens: i
         raise bad_request(f"n={n} is not supported: this server returns one choice per request; "
                           "send n separate requests (with different seeds when sampling).", "n",
                           "unsupported_parameter")
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+    for name, neutral in NEUTRAL:
         if _field(body, name, "number", neutral) != neutral:
             raise bad_request(f"'{name}' is not supported by this server; omit it or pass {neutral}.", name,
                               "unsupported_parameter")
@@ -107,16 +113,13 @@ def _request(body: dict, kind: str, *, messages=None, prompt=None, max_tokens: i
     if options is not None and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
     include_usage = bool(options and _field(options, "include_usage", "bool", False, prefix="stream_options."))
-    seed = _field(body, "seed", "int")
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise bad_request(f"'seed' must be in [-2**63, 2**64 - 1], got {seed}", "seed")
-    temperature = _field(body, "temperature", "number", 1.0)
-    if 0 < temperature < GREEDY_BELOW:
-        temperature = 0.0  # logits / 1e-300 overflow to inf -> NaN probabilities: this is greedy anyway
-    sampling = dict(temperature=temperature, top_p=_field(body, "top_p", "number", 1.0),
-                    top_k=_field(body, "top_k", "int", -1), seed=seed, stop=_stop(body.get("stop")),
+    # ranges are SamplingParams' (GenerationRequest.sampling_params turns its ValueError into a 400)
+    sampling = dict(temperature=_field(body, "temperature", "number", 1.0),
+                    top_p=_field(body, "top_p", "number", 1.0), top_k=_field(body, "top_k", "int", -1),
+                    seed=_field(body, "seed", "int"), stop=_stop(body.get("stop")),
                     stop_token_ids=_int_list(body, "stop_token_ids"),
                     ignore_eos=_field(body, "ignore_eos", "bool", False))
+    _sampling_params(sampling, max_tokens or 1)  # reject bad values before the prompt is tokenized
     _field(body, "user", "str")
     model = _field(body, "model", "str")
     return GenerationRequest(kind=kind, model=model, messages=messages, prompt=prompt, sampling=sampling,
