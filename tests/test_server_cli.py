@@ -57,6 +57,7 @@ def _cases(tiny: str, files) -> list[tuple[list[str], str]]:
         (["--model", tiny, "--max-running-requests", "0"], "--max-running-requests must be >= 1"),
         (["--model", tiny, "--max-queued-requests", "-1"], "--max-queued-requests must be >= 0"),
         (["--model", tiny, "--api-key", " "], "--api-key must not be empty"),
+        (["--model", tiny, "--read-timeout", "0"], "--read-timeout must be > 0 seconds"),
         (["--model", tiny, "--context-length", "1"], "--context-length must be >= 2"),
     ]
 

@@ -6,9 +6,7 @@ engine before it is validated, so one bad request never disturbs the others."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -19,10 +17,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from dspark.llm import LLM
+from dspark.server.body import ClientGone, parse_json_object, read_body
 from dspark.server.config import ServerConfig
 from dspark.server.engine_loop import EngineLoop, QueueFull, RequestHandle
 from dspark.server.errors import APIError, bad_request
 from dspark.server.metrics import CONTENT_TYPE
+from dspark.server.prompts import PromptEncoder
 from dspark.server.protocol import GenerationRequest, check_model, parse_chat, parse_completion
 from dspark.server.responses import TextDelta, chunk_body, final_body, spec_stats, sse, usage_chunk
 
@@ -37,10 +37,11 @@ class OpenAIServer:
         self.llm = llm
         self.config = config
         self.engine = llm.engine
-        self.tokenizer = copy.deepcopy(llm.tokenizer)  # the engine thread decodes with llm.tokenizer
         max_running = self.engine.scheduler.config.max_num_seqs
         self.loop = EngineLoop(self.engine, capacity=max_running + config.max_queued_requests)
         self.model_name = config.served_model_name or llm.model_path.name
+        self.prompts = PromptEncoder(llm.tokenizer, vocab_size=self.engine.model.config.vocab_size,
+                                     model_name=self.model_name)
         self.served = (self.model_name, str(llm.model_path))
         self.algorithm = llm.speculative.algorithm
         self.created = int(time.time())
@@ -53,49 +54,11 @@ class OpenAIServer:
         given = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.encode(), self.config.api_key.encode()):
             raise APIError(401, "Incorrect or missing API key: pass it as 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def read_json(self, request: Request) -> dict:
-        limit = self.config.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.",
-                           code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise bad_request("The request body must be a JSON object.", code="invalid_json")
-        return body
-
-    def prompt_ids(self, req: GenerationRequest) -> tuple[str | None, list[int]]:
-        """Render and tokenize the prompt exactly as the offline LLM.chat / LLM.generate do."""
-        if req.kind == "chat":
-            if not self.tokenizer.chat_template:
-                raise bad_request(f"The tokenizer of {self.llm.model_path} has no chat template; use "
-                                  "/v1/completions.", "messages")
-            try:  # the same rendering as LLM.apply_chat_template, on this thread's own tokenizer
-                text = self.tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the client's
-                raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
-        elif isinstance(req.prompt, list):
-            vocab = self.engine.model.config.vocab_size
-            if not all(0 <= t < vocab for t in req.prompt):
-                raise bad_request(f"prompt token ids must be in [0, {vocab}).", "prompt")
-            return None, req.prompt
-        else:
-            text = req.prompt
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if not ids:
-            raise bad_request("The prompt is empty after tokenization.", "prompt")
-        return text, ids
+        raw = await read_body(request, self.config.max_request_bytes, self.config.read_timeout_s)
+        return parse_json_object(raw)
 
     def max_tokens(self, req: GenerationRequest, n: int) -> int:
         """The request's max_tokens, or the room left; 400 when prompt + completion cannot fit."""
@@ -125,7 +88,7 @@ class OpenAIServer:
         body = await self.read_json(request)
         req = parse_chat(body) if kind == "chat" else parse_completion(body)
         check_model(req.model, self.served)
-        text, ids = self.prompt_ids(req)
+        text, ids = await self.prompts.encode(req)
         params = req.sampling_params(self.max_tokens(req, len(ids)))
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
@@ -211,12 +174,8 @@ class OpenAIServer:
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dspark",
-                "root": str(self.llm.model_path), "max_model_len": self.engine.max_model_len,
+                "root": self.model_name, "max_model_len": self.engine.max_model_len,
                 "speculative_algorithm": self.algorithm}
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
 
 
 async def _disconnected(request: Request) -> None:
@@ -258,6 +217,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         server.loop.start()
         yield
         server.loop.stop()
+        server.prompts.close()
 
     app = FastAPI(title="dspark", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -273,6 +233,8 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
             return await fn()
         except APIError as e:
             return e.response()
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; nothing was admitted
         except Exception as e:  # noqa: BLE001 - a bug here must not take the server down
             log.exception("unhandled error")
             return APIError(500, f"internal server error: {type(e).__name__}", code="internal_error").response()
@@ -300,7 +262,7 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
             return JSONResponse(server.model_card())
         return await guarded(answer)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not server.loop.alive:
             return APIError(503, "the engine loop is not running", code="engine_unavailable").response()

@@ -36,6 +36,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill-size", type=int, default=512, help="prefill tokens per engine step")
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (default: 1 GiB)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies are answered 413")
+    g.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send its request headers, and again its body (408 / closed)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_speculative_args(p)
     p.set_defaults(speculative_algorithm=None)  # None: DSPARK on the embedded model when its drafter ships
@@ -50,7 +52,7 @@ def serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
-                          max_request_bytes=args.max_request_bytes)
+                          max_request_bytes=args.max_request_bytes, read_timeout_s=args.read_timeout)
     kwargs = llm_kwargs(args)
     sock = bind_socket(config.host, config.port)
     log.info("flags checked: model %s, speculative %s, verify %s, %d running + %d queued requests, %s:%d",

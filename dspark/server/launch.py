@@ -2,12 +2,14 @@
 with uvicorn in the foreground (`dspark serve`) or in a background thread (tests, benchmarks)."""
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
 import time
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dspark.llm import LLM
 from dspark.server.app import create_app
@@ -46,11 +48,55 @@ class _Server(uvicorn.Server):
             log.info("ready: accepting requests on %s", self.url)
 
 
+class _HeaderTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request headers do not all arrive within
+    `header_timeout_s` (uvicorn has no such limit: a slowloris client could hold a socket for ever).
+    The body has its own limit in the app (dspark/server/body.py)."""
+
+    def __init__(self, *args, header_timeout_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self._header_timer = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        self._arm()  # the next request on this connection; a pipelined one disarms it at once
+        super().on_response_complete()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's headers are complete
+            self._disarm()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
 def _uvicorn_server(llm: LLM, config: ServerConfig, sock: socket.socket, log_level: str) -> _Server:
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     app = create_app(llm, config)
-    uv = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug", lifespan="on",
+    http = functools.partial(_HeaderTimeoutH11, header_timeout_s=config.read_timeout_s)
+    uv = uvicorn.Config(app, http=http, log_level=log_level, access_log=log_level == "debug", lifespan="on",
                         timeout_graceful_shutdown=5, log_config=None)
     return _Server(uv, f"http://{host}:{port}")
 

@@ -64,9 +64,7 @@ def parse_chat(body: dict) -> GenerationRequest:
     if _field(body, "logprobs", "bool", False) or _field(body, "top_logprobs", "int") is not None:
         raise bad_request("logprobs are not supported by this server; omit 'logprobs' and 'top_logprobs'.",
                           "logprobs", "unsupported_parameter")
-    if _field(body, "tools", "list"):
-        raise bad_request("tool calling is not supported by this server; omit 'tools'.", "tools",
-                          "unsupported_parameter")
+    _reject_tool_calling(body)
     fmt = _field(body, "response_format", "dict")
     if fmt is not None and fmt.get("type", "text") != "text":
         raise bad_request("only response_format {'type': 'text'} is supported.", "response_format",
@@ -77,6 +75,18 @@ def parse_chat(body: dict) -> GenerationRequest:
         max_tokens, name = _field(body, "max_tokens", "int"), "max_tokens"
     return _request(body, "chat", messages=[_message(m, i) for i, m in enumerate(messages)],
                     max_tokens=_positive(max_tokens, name))
+
+
+def _reject_tool_calling(body: dict) -> None:
+    """Tool and function calling, current and legacy: a 400, never silently ignored."""
+    for name in ("tools", "functions"):
+        if _field(body, name, "list"):
+            raise bad_request(f"tool calling is not supported by this server; omit '{name}'.", name,
+                              "unsupported_parameter")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise bad_request(f"'{name}' asks for tool calling, which this server does not support; omit it.",
+                              name, "unsupported_parameter")
 
 
 def parse_completion(body: dict) -> GenerationRequest:
@@ -153,6 +163,10 @@ def _message(m: object, i: int) -> dict:
         raise wrong_type(f"{where}.role", "a string", role)
     if role not in ROLES:
         raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+    for name in ("tool_calls", "function_call"):  # the chat template would drop them from the prompt
+        if m.get(name):
+            raise bad_request(f"'{where}.{name}': tool calls in the conversation are not supported by this "
+                              "server.", f"{where}.{name}", "unsupported_parameter")
     content = m.get("content")
     if content is None:
         if role != "assistant":
