@@ -5,8 +5,10 @@ A tiny random Llama with a 6-token vocabulary makes the target's distribution ov
 continuations of a fixed prompt enumerable (teacher-forced forwards of the Hugging Face reference
 model, warped with the engine's own warp_probs). Thousands of seeded requests are generated in
 large batches and compared with it by a chi-square goodness-of-fit test; every seed is fixed, so each
-p-value is deterministic. Negative controls break the acceptance rule on purpose and must be rejected,
-which shows the test has the power to see a wrong rule.
+p-value is deterministic. Both sampling paths are checked: unseeded requests (rejection sampling, drawn
+from the global generator, itself seeded) and seeded ones (per-position keyed draws, sampling/keyed.py).
+Negative controls break the acceptance rule on purpose and must be rejected, which shows the test has
+the power to see a wrong rule.
 """
 from __future__ import annotations
 
@@ -192,14 +194,17 @@ def dspark_proposer(decoder) -> BlockDrafterProposer:
 
 
 # --- running the engine ----------------------------------------------------------------------------
-def generate(decoder, proposer=None, planner=None, *, top_k: int = -1, seed0: int = 0):
-    """Counts [V**L] of NUM_SAMPLES seeded continuations of PROMPT, and the engine (for its stats)."""
+def generate(decoder, proposer=None, planner=None, *, top_k: int = -1, seed0: int = 0, keyed: bool = False):
+    """Counts [V**L] of NUM_SAMPLES continuations of PROMPT, and the engine (for its stats). keyed: request
+    i has seed seed0 + i (keyed draws); otherwise no request has a seed (rejection sampling, with the global
+    generator seeded by seed0)."""
+    torch.manual_seed(seed0)
     engine = LLMEngine(decoder, StubTokenizer(), cache_blocks=2 * BATCH + 8, proposer=proposer, planner=planner,
                        scheduler_config=SchedulerConfig(max_num_seqs=BATCH,
                                                         max_num_batched_tokens=len(PROMPT) * BATCH))
     for i in range(NUM_SAMPLES):
         engine.add_request(PROMPT, SamplingParams(temperature=TEMPERATURE, top_k=top_k, max_tokens=LENGTH,
-                                                  seed=seed0 + i, ignore_eos=True))
+                                                  seed=seed0 + i if keyed else None, ignore_eos=True))
     counts = torch.zeros(VOCAB ** LENGTH, dtype=torch.float64)
     done = 0
     while engine.has_unfinished():
@@ -233,8 +238,9 @@ def test_exact_distribution_is_nontrivial(exact) -> None:
     assert int((exact[4] == 0).sum()) > 0  # top-k forbids some continuations
 
 
-def test_plain_decoding_matches_exact(target, exact) -> None:
-    counts, _ = generate(target[0])
+@pytest.mark.parametrize("keyed", [False, True], ids=["unseeded", "seeded"])
+def test_plain_decoding_matches_exact(target, exact, keyed) -> None:
+    counts, _ = generate(target[0], keyed=keyed)
     assert fit(counts, exact[-1]) > PASS_LEVEL
 
 
@@ -245,12 +251,15 @@ SPEC_CASES = {
     "fixed-q": dict(proposer="fixed", top_k=-1),
     "fixed-q-topk": dict(proposer="fixed", top_k=4),
     "point-mass": dict(proposer="point", top_k=-1),
+    # seeded: keyed draws, drafts coupled to the verification's noise (the peeking planner cannot bias them)
+    "seeded-dspark-topk": dict(proposer="dspark", top_k=4, keyed=True),
+    "seeded-fixed-q-peeking-planner": dict(proposer="peeking", top_k=-1, planner=0.5, keyed=True),
 }
 
 
 def make_proposer(kind: str, decoder):
     return {"dspark": lambda: dspark_proposer(decoder), "fixed": FixedDistributionProposer,
-            "point": PointMassProposer}[kind]()
+            "point": PointMassProposer, "peeking": PeekingProposer}[kind]()
 
 
 @pytest.mark.parametrize("name", list(SPEC_CASES))
@@ -259,7 +268,7 @@ def test_speculative_sampling_matches_exact(name, target, exact) -> None:
     decoder = target[0]
     planner = ThresholdPlanner(case["planner"]) if "planner" in case else None
     counts, engine = generate(decoder, make_proposer(case["proposer"], decoder), planner, top_k=case["top_k"],
-                              seed0=10_000)
+                              seed0=10_000, keyed=case.get("keyed", False))
     st = engine.stats
     # not vacuous: drafts were verified, some accepted, some rejected (and the planner cut windows)
     assert st.verified > 0 and 0 < st.accepted < st.verified, st

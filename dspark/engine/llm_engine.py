@@ -5,6 +5,7 @@ Plain decoding is the case of zero drafts.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -20,6 +21,7 @@ from dspark.engine.sequence import Sequence, Status
 from dspark.engine.stop import commit_tokens
 from dspark.models.decoder import Decoder
 from dspark.outputs import RequestOutput
+from dspark.sampling.keyed import accept_keyed, couple_drafts, sample_keyed
 from dspark.sampling.rejection import Acceptance, accept_greedy, accept_sampled
 from dspark.sampling.sampler import sample, warp_probs
 from dspark.sampling_params import SamplingParams
@@ -139,7 +141,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         prefill_tokens = sum(n for _, n in prefills)  # they share this round's verify pass
         context = sum(s.num_cached for s in decodes)  # the decodes' cached tokens: the planner prices it
-        proposal = self._propose(decodes, prefill_tokens, context)
+        proposal = self._couple(decodes, self._propose(decodes, prefill_tokens, context))
         t1 = time.perf_counter()
         lengths = self._plan(decodes, proposal, prefill_tokens, context)
         t2 = time.perf_counter()
@@ -220,6 +222,16 @@ class LLMEngine:
             return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs), confidences=None)
         return self.proposer.propose(seqs)
 
+    def _couple(self, seqs: list[Sequence], proposal: Proposal) -> Proposal:
+        """Seeded sampled requests draft with the noise their verification will use (sampling/keyed.py),
+        so their drafts are accepted about as often as with rejection sampling."""
+        tokens = list(proposal.tokens)
+        for i, seq in enumerate(seqs):
+            q = proposal.probs[i] if proposal.probs else None
+            if _keyed(seq.params) and q is not None and tokens[i]:
+                tokens[i] = couple_drafts(q[: len(tokens[i])], seq.params.seed, len(seq.output_token_ids))
+        return dataclasses.replace(proposal, tokens=tokens)
+
     def _plan(self, seqs: list[Sequence], proposal: Proposal, prefill_tokens: int, context: int) -> list[int]:
         n = [len(t) for t in proposal.tokens]
         if self.planner is None or not seqs or self.verify_mode == "static" or not any(n):
@@ -267,6 +279,8 @@ class LLMEngine:
         if p.greedy:
             return accept_greedy(drafts, logits)
         target = warp_probs(logits, p.temperature, p.top_k, p.top_p)
+        if _keyed(p):  # the next token is at output position len(output_token_ids)
+            return accept_keyed(drafts, target, p.seed, len(seq.output_token_ids))
         if draft_probs is None:  # a deterministic proposer: the draft distribution is a point mass
             draft_probs = torch.zeros(len(drafts), target.shape[1])
             draft_probs[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)] = 1.0
@@ -276,7 +290,10 @@ class LLMEngine:
         p = seq.params
         if p.greedy:
             return logits.argmax(-1).tolist()
-        return sample(warp_probs(logits, p.temperature, p.top_k, p.top_p), seq.generator).tolist()
+        probs = warp_probs(logits, p.temperature, p.top_k, p.top_p)
+        if _keyed(p):
+            return sample_keyed(probs, p.seed, len(seq.output_token_ids))
+        return sample(probs, seq.generator).tolist()
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> int:
         n = commit_tokens(seq, tokens, eos_ids=self.eos_ids, max_model_len=self.max_model_len,
@@ -307,3 +324,8 @@ class LLMEngine:
                      "accepted": seq.stats.accepted, "arrival": seq.arrival,
                      "first_token_time": seq.first_token_time, "finish_time": seq.finish_time},
         )
+
+
+def _keyed(params: SamplingParams) -> bool:
+    """Seeded sampling draws per (seed, output position), so drafts and batch cannot change the text."""
+    return params.seed is not None and not params.greedy
