@@ -65,6 +65,20 @@ def test_unusable_sampling_values_are_400(server, raw, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_a_seeded_request_gives_the_same_text_alone_and_in_a_batch_of_8(server):
+    body = {"prompt": PROMPTS[4], "max_tokens": 12, "temperature": 0.9, "top_k": 50, "seed": 11, "ignore_eos": True}
+    alone = post(server.url, "/v1/completions", body).json()["choices"][0]["text"]
+    others = [{"prompt": PROMPTS[i], "max_tokens": 6 + i, "temperature": 0.5 + i / 10, "seed": i} for i in range(7)]
+
+    async def batch() -> str:
+        async with httpx.AsyncClient(timeout=60) as c:
+            rs = await asyncio.gather(*(c.post(server.url + "/v1/completions", json=b, headers=AUTH)
+                                        for b in [*others[:3], body, *others[3:]]))
+        return rs[3].json()["choices"][0]["text"]
+
+    assert [asyncio.run(batch()) for _ in range(3)] == [alone] * 3
+
+
 # --- one failing request inside a loaded run --------------------------------------------------
 def test_a_request_the_engine_fails_is_failed_alone(server, offline, monkeypatch, caplog):
     """16 good requests (plain and streamed) beside poison values and one request that raises inside the
