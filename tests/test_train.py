@@ -11,8 +11,9 @@ import torch.multiprocessing as mp
 
 from conftest import make_tiny_model
 
+from dspark.drafters.blocks import IGNORE
 from dspark.train.datagen import Prompt, generate_shards, load_sequences
-from dspark.train.losses import tv_distance
+from dspark.train.losses import vocab_loss
 from dspark.train.trainer import Trainer, TrainConfig
 
 
@@ -54,15 +55,46 @@ def test_datagen_resumes_and_skips_finished_shards(tiny_setup):
         generate_shards(prompts[:16], data, model=str(model), shard_size=8, max_tokens=30, log=logs.append)
 
 
-def test_tv_distance_is_exact_with_a_reduced_vocabulary():
+def test_tv_is_exact_with_a_reduced_vocabulary():
     """p_t normalised over the full vocabulary; the drafter has no mass outside its vocabulary."""
     torch.manual_seed(0)
     pt_full = torch.softmax(torch.randn(3, 10), -1)
     d2t = torch.tensor([0, 2, 3, 7])
-    pd_small = torch.softmax(torch.randn(3, 4), -1)
-    pd_full = torch.zeros(3, 10).index_copy(1, d2t, pd_small)
+    logits = torch.randn(3, 4)
+    pd_full = torch.zeros(3, 10).index_copy(1, d2t, torch.softmax(logits, -1))
     exact = (pd_full - pt_full).abs().sum(-1)
-    torch.testing.assert_close(tv_distance(pd_small.log(), pt_full[:, d2t]), exact, atol=1e-5, rtol=0)
+    _, tv, _ = vocab_loss(logits, pt_full[:, d2t], torch.arange(3), torch.zeros(3, dtype=torch.long))
+    torch.testing.assert_close(tv, exact, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_fused_vocab_loss_matches_autograd(chunk):
+    """vocab_loss (chunked, hand-written backward) == NLL + exact TV through autograd, values and gradients;
+    IGNORE labels give no NLL and no NLL gradient; hit is "the label has the highest logit"."""
+    torch.manual_seed(1)
+    n, v = 7, 11
+    logits = (3 * torch.randn(n, v)).requires_grad_(True)
+    pt = torch.softmax(torch.randn(4, v), -1) * 0.9  # 10% of the target's mass outside the vocabulary
+    rows = torch.tensor([0, 1, 1, 2, 3, 0, 2])
+    labels = torch.tensor([3, IGNORE, 5, 0, 10, 2, IGNORE])
+    labels[0] = int(logits[0].argmax())  # one certain hit
+    g_nll, g_tv = torch.rand(n), torch.rand(n)
+
+    log_pd = torch.log_softmax(logits, -1)
+    q = pt[rows]
+    ok = labels >= 0
+    nll_ref = -log_pd.gather(1, labels.clamp(min=0)[:, None]).squeeze(1) * ok
+    tv_ref = (log_pd.exp() - q).abs().sum(-1) + (1 - q.sum(-1))
+    ((nll_ref * g_nll).sum() + (tv_ref * g_tv).sum()).backward()
+    grad_ref = logits.grad.clone()
+    logits.grad = None
+
+    nll, tv, hit = vocab_loss(logits, pt, rows, labels, chunk=chunk)
+    ((nll * g_nll).sum() + (tv * g_tv).sum()).backward()
+    torch.testing.assert_close(nll, nll_ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tv, tv_ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits.grad, grad_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(hit, (logits.argmax(-1) == labels) & ok) and hit[0]
 
 
 def test_soft_labels_are_the_targets_full_distribution(tiny_setup):

@@ -26,19 +26,21 @@ def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, c
     q [B, A, g, H, hd] (rotated, normed); k_blk / v_blk [B, A, g, Hkv, hd]; ctx K/V [B, S, Hkv, hd];
     ctx_len [B, A] -> [B, A, g, H, hd]. One softmax over [context ; own block] per query, in fp32.
     A dense mask over every block's keys would cost A * g * (S + A * g) per head; this costs A * g * (S + g).
+    The scores stay in q's dtype (a bf16 matmul has nothing more to give) with the scale folded into q:
+    the softmax accumulates in fp32 inside, and every extra pass over the [.., A, g, S] scores is time.
     """
     b, a, g, h, hd = q.shape
     kc, vc = ctx
     s, hkv = kc.shape[1], kc.shape[2]
     rep = h // hkv
-    qh = q.reshape(b, a, g, hkv, rep, hd).permute(0, 3, 4, 1, 2, 5)  # [B, Hkv, rep, A, g, hd]
+    qh = (q * hd ** -0.5).reshape(b, a, g, hkv, rep, hd).permute(0, 3, 4, 1, 2, 5)  # [B, Hkv, rep, A, g, hd]
     s_ctx = qh.reshape(b, hkv, rep * a * g, hd) @ kc.permute(0, 2, 3, 1)  # [B, Hkv, rep*A*g, S]
     s_ctx = s_ctx.view(b, hkv, rep, a, g, s)
     s_own = qh @ k_blk.permute(0, 3, 1, 4, 2).unsqueeze(2)  # [B, Hkv, rep, A, g, g]
-    scores = torch.cat([s_ctx, s_own], dim=-1).float() * hd ** -0.5
+    scores = torch.cat([s_ctx, s_own], dim=-1)
     hidden = torch.arange(s, device=q.device) >= ctx_len.unsqueeze(-1)  # [B, A, S]
     scores[..., :s].masked_fill_(hidden.view(b, 1, 1, a, 1, s), float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(q.dtype)
+    p = torch.softmax(scores, dim=-1)
     out = p[..., :s].reshape(b, hkv, rep * a * g, s) @ vc.transpose(1, 2)  # [B, Hkv, rep*A*g, hd]
     out = out.view(b, hkv, rep, a, g, hd) + p[..., s:] @ v_blk.permute(0, 3, 1, 2, 4).unsqueeze(2)
     return out.permute(0, 3, 4, 1, 2, 5).reshape(b, a, g, h, hd)

@@ -120,22 +120,35 @@ class DSparkDrafter(Backbone):
 
     # ---- training ------------------------------------------------------------------------------
     def forward_train(self, ctx_features: torch.Tensor, input_ids: torch.Tensor, anchor_pos: torch.Tensor,
-                      anchor_valid: torch.Tensor) -> TrainOutput:
+                      anchor_valid: torch.Tensor, select: torch.Tensor | None = None) -> TrainOutput:
         """All A blocks of each sequence in one masked pass.
 
         ctx_features [B, S, m*d] target features at every position; input_ids [B, S]; anchor_pos [B, A]
         (block a = input_ids[anchor] + masks at anchor..anchor+gamma-1); anchor_valid [B, A] (only used
-        to keep padded anchors in range; the loss masks them via blocks.block_labels).
+        to keep padded anchors in range; the loss masks them via blocks.block_labels). With select
+        [B, A, gamma] bool, the heads run only on the selected slots and the outputs are rows [N, ...]
+        in select's order: the LM head and the vocabulary-sized tensors after it cost nothing for slots
+        the loss leaves out.
         """
-        block_ids, positions, h, base = self.block_states(ctx_features, input_ids, anchor_pos, anchor_valid)
+        block_ids, positions, h = self.block_states(ctx_features, input_ids, anchor_pos, anchor_valid)
         prev = gather_tokens(input_ids, positions)  # teacher forcing: slot k sees x_k = input_ids[anchor+k]
+        if select is not None and not self._recurrent:  # stateless heads: per slot, so select first
+            h, prev, select = h[select], prev[select], None
+        base = self._head(h)
         logits, conf = self._heads_teacher_forced(prev, h, base)
+        if select is not None:  # a recurrent head needs whole blocks: select after it
+            logits, base = logits[select], base[select]
+            conf = conf[select] if conf is not None else None
         return TrainOutput(logits=logits, base_logits=base, conf_logits=conf)
+
+    @property
+    def _recurrent(self) -> bool:
+        return self.markov_head is not None and self.markov_head.head_type == "rnn"
 
     def block_states(self, ctx_features: torch.Tensor, input_ids: torch.Tensor, anchor_pos: torch.Tensor,
                      anchor_valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The backbone over every anchored block -> block ids, positions [B, A, gamma], hidden h
-        [B, A, gamma, d] and base logits U [B, A, gamma, Vd] fp32 (padded anchors sit at position 0)."""
+        """The backbone over every anchored block -> block ids, positions [B, A, gamma] and final-normed
+        hidden h [B, A, gamma, d] (padded anchors sit at position 0)."""
         b, s = input_ids.shape
         anchor_pos = torch.where(anchor_valid.bool(), anchor_pos, 0).clamp(0, s - 1)
         ctx = self.context_kv(ctx_features, torch.arange(s, device=input_ids.device).expand(b, s))
@@ -143,17 +156,21 @@ class DSparkDrafter(Backbone):
         block_ids = self._block_ids(input_ids.gather(1, anchor_pos))  # [B, A, gamma]
         x = self.embed_weight[block_ids].to(self.fc.weight.dtype)
         h = self.run_blocks(x, positions, ctx, anchor_pos)  # block a sees the context before its anchor
-        return block_ids, positions, h, self._head(h)
+        return block_ids, positions, h
 
     def _heads_teacher_forced(self, prev: torch.Tensor, h: torch.Tensor,
                               base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """prev ids [B, A, gamma], h [B, A, gamma, d], base [B, A, gamma, Vd] -> (logits, conf logits)."""
+        """prev ids [..., gamma], h [..., gamma, d], base [..., gamma, Vd] -> (logits, conf logits); any
+        leading shape for the stateless heads, [B, A, gamma] blocks for the recurrent one."""
         emb = None
         logits = base
         if self.markov_head is not None:
-            emb = self.markov_head.prev_embedding(prev)  # [B, A, gamma, r]
-            flat = self.markov_head.block_bias(emb.flatten(0, 1), h.flatten(0, 1))  # [B*A, gamma, Vd]
-            logits = base + flat.view_as(base).float()
+            emb = self.markov_head.prev_embedding(prev)  # [..., r]
+            if self._recurrent:
+                bias = self.markov_head.block_bias(emb.flatten(0, 1), h.flatten(0, 1))  # [B*A, gamma, Vd]
+            else:
+                bias = self.markov_head.step(emb, h, None)[0]
+            logits = base + bias.view_as(base).float()
         conf = self.confidence_head(h, emb).float() if self.confidence_head is not None else None
         return logits, conf
 

@@ -37,36 +37,89 @@ def position_weights(gamma: int, decay: float, device: torch.device | str = "cpu
     return torch.exp(-torch.arange(gamma, device=device, dtype=torch.float32) / decay)
 
 
-def tv_distance(log_pd: torch.Tensor, pt: torch.Tensor) -> torch.Tensor:
-    """||p_d - p_t||_1, exact: log_pd [..., Vd] (the drafter's distribution, zero outside the draft
-    vocabulary) and pt [..., Vd] the target's probabilities on the draft vocabulary, normalised over
-    the full vocabulary, so the target mass outside it (1 - sum pt) is where p_d is zero."""
-    outside = (1.0 - pt.sum(-1)).clamp(min=0)
-    return ((log_pd.exp() - pt).abs().sum(-1) + outside).clamp(max=2.0)
+class _VocabLoss(torch.autograd.Function):
+    """Per-row NLL of the label, exact TV against p_t (1 - sum p_t, the target's mass outside the draft vocabulary, is where
+    p_d is zero) and "label is the argmax", over the draft
+    vocabulary, fused and taken a few rows at a time: each chunk of [rows, Vd] stays in cache through
+    the softmax, both losses and, in backward, their gradient (recomputed from the saved log-normaliser),
+    where autograd would make about ten passes over the whole [N, Vd] tensor in memory."""
+
+    @staticmethod
+    def forward(ctx, logits, pt, pt_rows, labels, chunk):  # noqa: D102 (see vocab_loss)
+        n = logits.shape[0]
+        ok = labels >= 0
+        lab = labels.clamp(min=0)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        nll, tv = torch.empty_like(lse), torch.empty_like(lse)
+        hit = torch.empty(n, dtype=torch.bool, device=logits.device)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            x = logits[s:e].float()
+            q = pt.index_select(0, pt_rows[s:e])
+            lse[s:e] = torch.logsumexp(x, dim=-1)
+            p = (x - lse[s:e, None]).exp_()
+            tv[s:e] = p.sub_(q).abs_().sum(-1) + (1.0 - q.sum(-1)).clamp_(min=0)
+            xl = x.gather(1, lab[s:e, None]).squeeze(1)
+            nll[s:e] = (lse[s:e] - xl) * ok[s:e]
+            hit[s:e] = (xl >= x.amax(-1)) & ok[s:e]
+        ctx.save_for_backward(logits, pt, pt_rows, lab, ok, lse)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(hit)
+        return nll, tv.clamp_(max=2.0), hit
+
+    @staticmethod
+    def backward(ctx, g_nll, g_tv, _g_hit):  # noqa: D102
+        logits, pt, pt_rows, lab, ok, lse = ctx.saved_tensors
+        n = logits.shape[0]
+        g_nll = (g_nll if g_nll is not None else torch.zeros_like(lse)) * ok
+        g_tv = g_tv if g_tv is not None else torch.zeros_like(lse)
+        grad = torch.empty_like(logits)
+        for s in range(0, n, ctx.chunk):
+            e = min(s + ctx.chunk, n)
+            p = (logits[s:e].float() - lse[s:e, None]).exp_()
+            ps = p * (p - pt.index_select(0, pt_rows[s:e])).sign_()  # d|p-q|/dp, times p
+            # d TV/dx = p*sign - p * <p, sign>;  d NLL/dx = p - onehot(label)
+            g = ps.sub_(p * ps.sum(-1, keepdim=True)).mul_(g_tv[s:e, None])
+            g.add_(p.mul_(g_nll[s:e, None]))
+            g.scatter_add_(1, lab[s:e, None], -g_nll[s:e, None])
+            grad[s:e] = g
+        return grad, None, None, None, None
+
+
+def vocab_loss(logits: torch.Tensor, pt: torch.Tensor, pt_rows: torch.Tensor, labels: torch.Tensor,
+               chunk: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [N, Vd]; the target's p_t rows pt [U, Vd] (normalised over the full vocabulary, see
+    tv_distance) with pt_rows [N] picking each slot's row; labels [N] draft ids (IGNORE: no CE) ->
+    (nll [N] (0 where IGNORE), tv [N], hit [N] bool: the label has the highest logit). Differentiable
+    in logits only."""
+    return _VocabLoss.apply(logits, pt, pt_rows, labels, chunk)
 
 
 def dspark_loss_parts(logits: torch.Tensor, conf_logits: torch.Tensor | None, labels_d: torch.Tensor,
-                      valid: torch.Tensor, pt: torch.Tensor, weights: torch.Tensor) -> LossParts:
-    """Local loss pieces for blocks [B, A, gamma]: logits [.., Vd]; labels_d the target's greedy token
-    as a draft id (IGNORE where unsupervised or outside the draft vocabulary); pt [.., Vd] (tv_distance)."""
-    w = weights.view(1, 1, -1) * valid.float()
-    log_pd = torch.log_softmax(logits.float(), dim=-1)
-    ce_ok = valid & (labels_d != IGNORE)
-    nll = -log_pd.gather(-1, labels_d.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    w_ce = w * ce_ok.float()
-    tv = tv_distance(log_pd, pt)
+                      valid: torch.Tensor, pt: torch.Tensor, pt_rows: torch.Tensor,
+                      weights: torch.Tensor) -> LossParts:
+    """Local loss pieces over the valid slots of blocks [B, A, gamma]: valid selects N slots, and
+    logits [N, Vd], conf_logits [N], labels_d [N] (the target's greedy token as a draft id, IGNORE
+    outside the draft vocabulary) and pt_rows [N] (into pt [U, Vd], see vocab_loss) are in its order."""
+    w = weights.view(1, 1, -1).expand_as(valid)[valid]
+    nll, tv, hit = vocab_loss(logits, pt, pt_rows, labels_d)
+    w_ce = w * (labels_d != IGNORE).float()
     soft = (1.0 - 0.5 * tv).detach().clamp(0.0, 1.0)
     if conf_logits is not None:
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft, reduction="none")
         conf_num = (w * bce).sum()
     else:
-        conf_num = logits.new_zeros(())
-    greedy = (log_pd.argmax(-1) == labels_d) & ce_ok
+        conf_num = logits.new_zeros((), dtype=torch.float32)
+
+    def grid(x: torch.Tensor) -> torch.Tensor:  # rows back onto the [B, A, gamma] block slots
+        return torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_scatter_(valid, x.float())
+
+    greedy = grid(hit)
     lead = greedy.long().cumprod(-1).bool() & valid[..., :1]
     vf = valid.float()
     return LossParts(ce_num=(w_ce * nll).sum(), ce_den=w_ce.sum().detach(), tv_num=(w * tv).sum(),
                      conf_num=conf_num, den=w.sum().detach(),
-                     soft_sum=(soft * vf).sum((0, 1)), match_sum=(greedy.float() * vf).sum((0, 1)),
+                     soft_sum=grid(soft).sum((0, 1)), match_sum=greedy.sum((0, 1)),
                      lead_sum=lead.float().sum((0, 1)), count=vf.sum((0, 1)), blocks=vf[..., 0].sum())
 
 

@@ -117,8 +117,9 @@ def greedy_logs(drafter, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
         seq = (seen + torch.arange(b)).repeat_interleave(anchor_pos.shape[1])
         seen += b
         pos = torch.where(anchor_valid, anchor_pos, 0)
-        block_ids, _, h, base = drafter.block_states(ctx_f, ids, pos, anchor_valid)
-        h, base = h.flatten(0, 1), base.flatten(0, 1)
+        block_ids, _, h = drafter.block_states(ctx_f, ids, pos, anchor_valid)
+        h = h.flatten(0, 1)
+        base = drafter._head(h)
         labels, valid = block_labels(ids, pos, anchor_valid, g, loss_mask)
         labels, valid = labels.flatten(0, 1), valid.flatten(0, 1)
         prev = block_ids[..., 0].flatten()

@@ -282,21 +282,21 @@ class Trainer:
 
     # -- one pass
     def loss_parts(self, tb: TargetBatch, anchor_pos: torch.Tensor, anchor_valid: torch.Tensor):
-        """Drafter forward over all anchored blocks of a target batch -> LossParts."""
+        """Drafter forward over all anchored blocks of a target batch -> LossParts (the heads and the
+        vocabulary-sized losses only on the slots the loss keeps)."""
         g = self.dcfg.block_size
         anchor_pos, anchor_valid = anchor_pos.to(self.device), anchor_valid.to(self.device)
-        out = self.model(tb.hidden, tb.ids, anchor_pos, anchor_valid)
         data_next, valid = block_labels(tb.ids, anchor_pos, anchor_valid, g, tb.loss_mask)
-        s = tb.ids.shape[1]
+        b, s = tb.ids.shape
         rows = (anchor_pos.unsqueeze(-1) + torch.arange(g, device=self.device)).clamp(max=s - 1)  # slot k: anchor+k
-        b, a, _ = rows.shape
-        flat = (rows + s * torch.arange(b, device=self.device).view(b, 1, 1)).flatten()  # into [B*S]
-        need, where = flat.unique(return_inverse=True)  # each position's p_t once, however many blocks share it
-        pt, greedy = soft_labels(self.target, tb.final.flatten(0, 1).index_select(0, need), self.model.d2t)
-        pt, greedy = pt.index_select(0, where), greedy.index_select(0, where).view(b, a, g)
-        valid = valid & on_greedy_path(greedy, data_next)
-        labels = self.model.draft_labels(greedy.masked_fill(~valid, -100))
-        return dspark_loss_parts(out.logits, out.conf_logits, labels, valid, pt.view(b, a, g, -1), self.weights)
+        flat = rows + s * torch.arange(b, device=self.device).view(b, 1, 1)  # into [B*S]
+        need, where = flat[valid].unique(return_inverse=True)  # each position's p_t once, however many blocks share it
+        pt, greedy_rows = soft_labels(self.target, tb.final.flatten(0, 1).index_select(0, need), self.model.d2t)
+        greedy = torch.zeros_like(data_next).masked_scatter_(valid, greedy_rows.index_select(0, where))
+        keep = valid & on_greedy_path(greedy, data_next)
+        out = self.model(tb.hidden, tb.ids, anchor_pos, anchor_valid, select=keep)
+        labels = self.model.draft_labels(greedy[keep])
+        return dspark_loss_parts(out.logits, out.conf_logits, labels, keep, pt, where[keep[valid]], self.weights)
 
     def _micro(self, idx: list[int], anchors: list[torch.Tensor]):
         """(target batch, anchor_pos, anchor_valid, token count) per micro-batch of these sequences."""
