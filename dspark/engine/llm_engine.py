@@ -29,6 +29,7 @@ from dspark.spec.proposer import NoProposer, Proposal, Proposer
 
 log = logging.getLogger("dspark.engine")
 
+
 @dataclass
 class EngineStats:
     """Global counters since start-up."""
