@@ -303,3 +303,18 @@ def test_heavy_prompts_do_not_stall_health_or_streams(strict_server):
     assert all(r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded" for r in rejected)
     assert busy > 1.0 and len(health) >= 5, (busy, health)  # the prompts did take their time
     assert max(health) < 1.0 and max(gaps) < 1.0, (max(health), max(gaps), busy)
+
+
+def test_prompts_waiting_to_be_tokenized_are_bounded(strict_server, monkeypatch):
+    monkeypatch.setattr(strict_server.app.state.server.prompts, "max_pending", 1)
+    big = {"prompt": "hello world, this is text " * 20_000, "max_tokens": 2}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*(c.post(strict_server.url + "/v1/completions", json=big) for _ in range(3)))
+
+    rs = asyncio.run(main())
+    codes = sorted(r.status_code for r in rs)
+    assert codes[0] == 400 and codes[-1] == 429, codes  # one tokenized (too long); later ones turned away
+    assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "queue_full"
+               for r in rs if r.status_code == 429)

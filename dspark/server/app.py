@@ -41,7 +41,7 @@ class OpenAIServer:
         self.loop = EngineLoop(self.engine, capacity=max_running + config.max_queued_requests)
         self.model_name = config.served_model_name or llm.model_path.name
         self.prompts = PromptEncoder(llm.tokenizer, vocab_size=self.engine.model.config.vocab_size,
-                                     model_name=self.model_name)
+                                     model_name=self.model_name, max_pending=self.loop.capacity)
         self.served = (self.model_name, str(llm.model_path))
         self.algorithm = llm.speculative.algorithm
         self.created = int(time.time())
@@ -88,15 +88,15 @@ class OpenAIServer:
         body = await self.read_json(request)
         req = parse_chat(body) if kind == "chat" else parse_completion(body)
         check_model(req.model, self.served)
-        text, ids = await self.prompts.encode(req)
-        params = req.sampling_params(self.max_tokens(req, len(ids)))
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
+            text, ids = await self.prompts.encode(req)
+            params = req.sampling_params(self.max_tokens(req, len(ids)))
+            rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             handle = self.loop.submit(ids, params, request_id=rid, prompt=text)
-        except QueueFull:
+        except QueueFull as e:
             s = self.config.retry_after_s
-            raise APIError(429, f"The server is at capacity ({self.loop.capacity} requests in flight); "
-                                f"retry after {s} s.", code="queue_full", headers={"Retry-After": str(s)}) from None
+            raise APIError(429, f"The server is at capacity ({e}); retry after {s} s.", code="queue_full",
+                           headers={"Retry-After": str(s)}) from None
         try:
             news, value = await self._next_or_disconnect(handle, request)  # "accepted", or why not
             if news == "error":

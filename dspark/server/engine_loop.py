@@ -104,7 +104,7 @@ class EngineLoop:
             raise APIError(503, "the engine loop is not running", code="engine_unavailable")
         with self._lock:
             if self._inflight >= self.capacity:
-                raise QueueFull
+                raise QueueFull(f"{self.capacity} requests in flight")
             self._inflight += 1
         handle = RequestHandle(request_id, asyncio.get_running_loop(), len(token_ids))
         self._inbox.put(("add", handle, token_ids, params, prompt))

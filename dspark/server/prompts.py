@@ -3,7 +3,8 @@
 Tokenizing a 1 MB prompt takes about a second of CPU; on the event loop that second would stall every
 stream and /health. A small pool of threads does it instead (the tokenizer releases the GIL), each
 thread with its own copy of the tokenizer, since one tokenizer object is not safe to share between
-threads."""
+threads. The prompts waiting for the pool are bounded too (QueueFull past `max_pending`): a flood of
+large prompts gets 429s instead of a queue of CPU-seconds in front of every later client."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from dspark.server.engine_loop import QueueFull
 from dspark.server.errors import bad_request
 from dspark.server.protocol import GenerationRequest
 
@@ -20,12 +22,15 @@ TOKENIZE_THREADS = 2
 class PromptEncoder:
     """Render and tokenize prompts exactly as the offline LLM.chat / LLM.generate do, in a thread pool."""
 
-    def __init__(self, tokenizer, *, vocab_size: int, model_name: str, threads: int = TOKENIZE_THREADS):
+    def __init__(self, tokenizer, *, vocab_size: int, model_name: str, max_pending: int,
+                 threads: int = TOKENIZE_THREADS):
         self._source = copy.deepcopy(tokenizer)  # the engine thread decodes with the original
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dspark-tokenize")
         self.vocab_size = vocab_size
         self.model_name = model_name
+        self.max_pending = max_pending
+        self._pending = 0  # prompts in or waiting for the pool; touched on the event loop only
 
     async def encode(self, req: GenerationRequest) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids); 400 for what cannot be a prompt."""
@@ -36,7 +41,13 @@ class PromptEncoder:
             if not all(0 <= t < self.vocab_size for t in req.prompt):
                 raise bad_request(f"prompt token ids must be in [0, {self.vocab_size}).", "prompt")
             return None, req.prompt
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, req)
+        if self._pending >= self.max_pending:
+            raise QueueFull(f"{self.max_pending} prompts waiting to be tokenized")
+        self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, req)
+        finally:
+            self._pending -= 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
