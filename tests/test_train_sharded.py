@@ -154,6 +154,7 @@ def test_merged_data_trains_and_lost_worker_resume(sharded, tmp_path):
     resumed.fit()
     assert resumed.step == 5
     # Summation order differs between 2 ranks and 1; Adam divides by sqrt(v), so a Markov-embedding row
-    # with a near-zero gradient can move by ~1e-4 on rounding alone (weights are ~0.02-0.2).
+    # with a near-zero gradient can move by a few 1e-4 on rounding alone (weights are ~0.02-0.2; lr 3e-3,
+    # so a wrong batch or a bad resume moves weights by ~1e-3 and more, in many elements).
     for k, v in _params(full).items():
-        torch.testing.assert_close(_params(resumed)[k], v, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(_params(resumed)[k], v, atol=3e-4, rtol=1e-4)
