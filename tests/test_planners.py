@@ -1,4 +1,5 @@
-"""Verify-length planners (brief section 3), including the Appendix A losslessness counterexample."""
+"""Verify-length planners (docs/method.md#planners), including the two-position losslessness
+counterexample (docs/method.md#the-counterexample)."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -64,7 +65,7 @@ def test_algorithm1_stops_at_first_non_improving_candidate() -> None:
     assert plan_algorithm1(conf, table, early_stop=False) == [3]
 
 
-# ---- Appendix A: R = 1, gamma = 2, vocabulary {A, B} ------------------------------------------
+# ---- docs/method.md#the-counterexample: R = 1, gamma = 2, vocabulary {A, B} -------------------
 APPENDIX_TABLE = SPSTable({1: 1.0, 2: 0.5, 3: 0.45})
 P_TARGET = torch.tensor([0.7, 0.3], dtype=torch.float64)
 P_DRAFT = torch.tensor([0.5, 0.5], dtype=torch.float64)

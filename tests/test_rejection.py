@@ -1,4 +1,4 @@
-"""Lossless acceptance: greedy prefix matching and speculative sampling (brief section 4)."""
+"""Lossless acceptance: greedy prefix matching and speculative sampling (docs/method.md#losslessness)."""
 from __future__ import annotations
 
 import pytest

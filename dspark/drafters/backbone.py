@@ -133,7 +133,7 @@ class Backbone(nn.Module):
         super().__init__()
         d = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_context_layers * d, d, bias=False)
-        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)  # the "ctx_norm" of the brief
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)  # the context norm of docs/method.md#context-features
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))

@@ -1,4 +1,5 @@
-"""Sequential heads (vanilla / gated Markov, RNN) and the confidence head of DSpark (brief 2.2-2.3)."""
+"""Sequential heads (vanilla / gated Markov, RNN) and the confidence head of DSpark
+(docs/method.md#sequential-heads, docs/method.md#confidence-head)."""
 from __future__ import annotations
 
 import torch

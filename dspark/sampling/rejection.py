@@ -1,4 +1,4 @@
-"""Lossless acceptance of one request's verify window (brief section 4).
+"""Lossless acceptance of one request's verify window (docs/method.md#losslessness).
 
 The target has scored [x0, x1..x_l] (l + 1 rows). Acceptance keeps the longest surviving prefix of
 the drafts x1..x_l and appends one target token: the correction at the first rejection, or the bonus

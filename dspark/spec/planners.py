@@ -1,4 +1,4 @@
-"""Verify-length planners: how many of each request's drafts to verify this round (brief section 3).
+"""Verify-length planners: how many of each request's drafts to verify this round (docs/method.md#planners).
 
 conf[r][k-1] is the drafter's confidence c_{r,k}: the probability that draft k of request r survives
 given that drafts 1..k-1 survived. Prefix survival is a_{r,k} = c_{r,1} * ... * c_{r,k}. Every planner
@@ -6,8 +6,8 @@ returns l_r in 0..len(conf[r]) per request.
 
 Losslessness rule shared by all planners here: whether draft x_k is verified may depend on x_<k (and
 on anything fixed before this round) but never on x_k itself. Since c_{k+1} is computed from the sampled
-x_k, a planner that lets a_{k+1} influence the admission of x_k skews the output distribution (brief
-section 3.2, Appendix A counterexample).
+x_k, a planner that lets a_{k+1} influence the admission of x_k skews the output distribution
+(docs/method.md#losslessness-rule, and the two-position case in docs/method.md#the-counterexample).
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def plan_algorithm1(
     conf: Sequence[Sequence[float]], table: SPSTable, early_stop: bool = True, extra_tokens: int = 0,
     context_tokens: int | None = None,
 ) -> list[int]:
-    """Brief section 3.2: greedily admit drafts by survival while tau* x SPS(B) improves.
+    """docs/method.md#algorithm-1: greedily admit drafts by survival while tau* x SPS(B) improves.
 
     extra_tokens: other tokens sharing the verify pass (prefill chunks of joining requests). They
     count in B and, being work done, in tau*: a step already long with prefill makes a draft's
@@ -125,7 +125,7 @@ def plan_lagged_topk(
     context_tokens: int | None = None,
     min_gain: float = 0.0,
 ) -> list[int]:
-    """Brief section 3.3: budget K from lagged confidences by global argmax, spent on current top-K.
+    """docs/method.md#lagged-budget: budget K from lagged confidences by global argmax, spent on current top-K.
 
     K = argmax_K (R + sum of the K largest lagged survival probs) x SPS(R + K), for K from 0 to the
     number of drafts available now (first maximum wins). The K drafts with the largest current survival
@@ -357,7 +357,8 @@ class ThroughputPlanner(Planner):
             else:
                 # No history `lag` rounds back (a new request). Substituting the current row would
                 # break the causal barrier: the global argmax could then let a_{k+1} (a function of
-                # the sampled x_k) decide whether x_k is verified -- the Appendix A bias. Instead use
+                # the sampled x_k) decide whether x_k is verified -- the bias of
+                # docs/method.md#the-counterexample. Instead use
                 # a value-free prior: the drafter's measured survival rates, or, without them,
                 # survival 1 at every position (optimistic: it may over-verify for `lag` rounds,
                 # whereas 0 would force plain decoding on every new request's first rounds).

@@ -61,7 +61,7 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-anchors", type=int, default=256, help="anchors per held-out sequence")
     p.add_argument("--bins", type=int, default=15)
     p.add_argument("--no-offset", dest="offset", action="store_false",
-                   help="temperatures only (no shared logit offset, the brief's plain STS)")
+                   help="temperatures only (no shared logit offset: plain STS, docs/method.md#logit-offset)")
     p.add_argument("--max-shards", type=int, default=None, metavar="N",
                    help="the trainer's --max-shards (the held-out split is taken from the same sequences)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
