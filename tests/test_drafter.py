@@ -307,10 +307,12 @@ def test_padding_does_not_change_requests(temperature):
         one = model.draft([caches[i]], [anchors[i]], [n], temperature=temps[i], top_p=0.9,
                           generators=[gens()[i]])
         assert torch.equal(batch.tokens[i], one.tokens[0])
-        torch.testing.assert_close(batch.logits[i], one.logits[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(batch.conf_logits[i], one.conf_logits[0], rtol=1e-5, atol=1e-5)
+        # fp32 up to the BLAS kernel's blocking for another batch shape (1.3e-5 seen on an AVX2 CPU);
+        # drafts need not be bit-exact, verification keeps the output lossless either way
+        torch.testing.assert_close(batch.logits[i], one.logits[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(batch.conf_logits[i], one.conf_logits[0], rtol=1e-4, atol=1e-4)
         if one.probs is not None:
-            torch.testing.assert_close(batch.probs[i], one.probs[0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(batch.probs[i], one.probs[0], rtol=1e-4, atol=1e-5)
 
 
 def test_cache_rollback_matches_fresh_cache():

@@ -7,9 +7,10 @@ from the same position decoded alone, and greedy speculative output would drift 
 `invariant_attention` computes every row with the same reductions whatever the window: fp32 matmuls
 whose reduction axes (head_dim, then the key axis padded to a fixed multiple by the cache) do not
 change with the number of query rows, a masked softmax over that padded axis, masked keys contributing
-exact zeros. The probs @ values reduction runs over fixed chunks of KV_CHUNK keys, summed in order:
-past ~384 keys the BLAS kernel splits a long reduction at points that depend on its length, so a row
-whose window pads the key axis 64 further would otherwise round differently.
+exact zeros, and at least MIN_ROWS rows per matmul. The probs @ values reduction runs over chunks of
+exactly KV_CHUNK keys (one batched matmul), summed in key order: a BLAS kernel blocks a reduction by
+its length (Intel's MKL past ~384 keys, on AVX2-only AMD CPUs at any length), so a row whose window
+pads the key axis 64 further would otherwise round differently.
 tests/test_packing.py checks the bit-identity, on the embedded model and on long contexts.
 """
 from __future__ import annotations
@@ -18,7 +19,11 @@ import torch
 import torch.nn.functional as F
 
 KV_ALIGN = 64  # key-axis padding the invariant path relies on (KVCache.kv_align)
-KV_CHUNK = 256  # keys per probs @ values matmul: a length the kernel reduces in one block
+KV_CHUNK = KV_ALIGN  # keys per probs @ values product: every chunk the same length, whatever S is
+# Fewest rows per (sequence, kv head) matmul. BLAS libraries reduce a row differently when the matrix
+# has very few rows (Intel's MKL on AMX CPUs: 1 row; on AVX2-only AMD CPUs: up to 3 rows) and the same
+# for every row count above that, so a decode's rows are padded up to this many.
+MIN_ROWS = 8
 _NEG_INF = torch.tensor(float("-inf"))  # made once: a Python scalar in torch.where becomes a new tensor per call
 
 
@@ -32,14 +37,18 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     b, h, nq, hd = q.shape
     hkv = k.shape[1]
     g = h // hkv
-    if g * nq == 1:  # a single-row matmul takes the GEMV path, which rounds differently: pad to 2 rows
-        return invariant_attention(q.expand(b, h, 2, hd), k, v, mask.expand(b, 1, 2, -1))[:, :, :1]
+    if g * nq < MIN_ROWS:  # few-row matmuls take other kernels (GEMV, small-M), which round differently
+        pad = -(-MIN_ROWS // g)  # query rows so that the group's matmul has at least MIN_ROWS rows
+        qp = torch.cat([q, q[:, :, -1:].expand(b, h, pad - nq, hd)], dim=2)
+        mp = torch.cat([mask, mask[:, :, -1:].expand(b, 1, pad - nq, mask.shape[-1])], dim=2)
+        return invariant_attention(qp, k, v, mp)[:, :, :nq]
     # one matmul per (sequence, kv head): the g query heads of a group share its keys
     qg = q.reshape(b, hkv, g * nq, hd)
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, nq, -1)
     scores = torch.where(mask.view(b, 1, 1, nq, -1), scores, _NEG_INF)
     probs = torch.softmax(scores, dim=-1).view(b, hkv, g * nq, -1)
-    out = torch.matmul(probs[..., :KV_CHUNK], v[:, :, :KV_CHUNK])
-    for s in range(KV_CHUNK, probs.shape[-1], KV_CHUNK):  # chunks past a row's keys add exact zeros
-        out = out + torch.matmul(probs[..., s:s + KV_CHUNK], v[:, :, s:s + KV_CHUNK])
-    return out.view(b, h, nq, hd)
+    c = probs.shape[-1] // KV_CHUNK
+    chunks = probs.view(b, hkv, g * nq, c, KV_CHUNK).transpose(2, 3)  # [B, Hkv, C, rows, KV_CHUNK]
+    parts = torch.matmul(chunks, v.view(b, hkv, c, KV_CHUNK, hd))  # [B, Hkv, C, rows, hd], same shape per chunk
+    out = parts.cumsum(dim=2)[:, :, -1]  # summed in key order: chunks past a row's keys add exact zeros
+    return out.reshape(b, h, nq, hd)
