@@ -123,6 +123,27 @@ def test_offline_cli_quick(tiny_llama_dir, eval_file, tmp_path):
     assert (out / "results.md").is_file() and (out / "tokens_per_s.png").is_file()
 
 
+def test_offline_defaults_to_the_shipped_eval_sets(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    """`dspark bench offline --quick` needs no other argument: the eval sets of bench/data/eval."""
+    import dspark.bench.datasets as datasets
+    from dspark.bench.cli import QUICK
+    from dspark.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "offline", "--quick"])
+    assert args.dataset is None and args.quick and args.model is None  # None: the embedded model
+    assert [Path(p).name for p in datasets.shipped_eval_sets()] == ["gsm8k.jsonl", "humaneval.jsonl", "mt-bench.jsonl"]
+    assert QUICK == {"num_prompts": 2, "max_tokens": 32, "repeats": 1}  # a few prompts, few tokens, one repeat
+    out = tmp_path / "out"  # the same command on the tiny model, one method, shorter still
+    rc = main(["bench", "offline", "--quick", "--model", str(tiny_llama_dir), "--methods", "ar", "--num-prompts", "1",
+               "--max-tokens", "4", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    cells = json.loads((out / "results.json").read_text())["offline"]["cells"]
+    assert {c["dataset"] for c in cells} == {"gsm8k", "humaneval", "mt-bench"}
+    monkeypatch.setattr(datasets, "SHIPPED_EVAL", tmp_path / "nowhere")
+    assert main(["bench", "offline", "--quick", "--model", str(tiny_llama_dir), "--out", str(out)]) == 2
+    assert "pass --dataset" in capsys.readouterr().err
+
+
 def test_race_identical_then_lossy_diverges(tiny_llama_dir, drafters, monkeypatch):
     import dspark.engine.llm_engine as engine_module
     from dspark.sampling.rejection import Acceptance

@@ -103,12 +103,35 @@ def test_speculators_round_trip_is_bit_exact(case, qwen3_dir, target, ctx, tmp_p
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
-    assert json.loads((src / "config.json").read_text()) == json.loads((back / "config.json").read_text())
+    # the config survives, and the training record gains the target the export was made against
+    cfg, cfg_back = (json.loads((d / "config.json").read_text()) for d in (src, back))
+    assert cfg_back["dspark"].pop("target_dir") == str(qwen3_dir.resolve()) and cfg == cfg_back
     assert json.loads((src / "sts.json").read_text()) == json.loads((back / "sts.json").read_text())
     one, two = (DSparkDrafter.from_pretrained(d, *target) for d in (src, back))
     feats, anchor = ctx
     d1, d2 = draft(one, feats, anchor), draft(two, feats, anchor)
     assert torch.equal(d1.tokens, d2.tokens) and torch.equal(d1.logits, d2.logits)
+
+
+def test_speculators_round_trip_remembers_its_target(qwen3_dir, tmp_path, monkeypatch):
+    """dspark -> speculators -> dspark -> speculators without --target the second time, bit for bit."""
+    src = random_dspark(qwen3_dir, tmp_path / "src", draft_vocab=512, markov_head_type="gated")
+    spec = to_speculators(src, tmp_path / "spec", target=qwen3_dir)
+    back = from_speculators(spec, tmp_path / "back")
+    spec2 = convert(back, tmp_path / "spec2", to="speculators")  # no target: the checkpoint names it
+    a, b = load_file(str(spec / "model.safetensors")), load_file(str(spec2 / "model.safetensors"))
+    assert a.keys() == b.keys() and "lm_head.weight" in a
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    cfg, cfg2 = (json.loads((d / "config.json").read_text()) for d in (spec, spec2))
+    assert cfg["dspark"] == cfg2["dspark"] and cfg["speculators_config"]["verifier"]["architectures"] == \
+        cfg2["speculators_config"]["verifier"]["architectures"] == ["Qwen3ForCausalLM"]
+    # a drafter trained for the embedded model finds it by name (here the embedded model is the tiny one)
+    import dspark.models.embedded as embedded
+
+    monkeypatch.setattr(embedded, "MODEL_NAME", "tiny-qwen3")
+    monkeypatch.setattr(embedded, "embedded_model_dir", lambda: qwen3_dir)
+    fresh = convert(src, tmp_path / "spec3", to="speculators")
+    assert torch.equal(load_file(str(fresh / "model.safetensors"))["lm_head.weight"], a["lm_head.weight"])
 
 
 def test_speculators_layout_follows_the_published_schema(qwen3_dir, target, tmp_path):

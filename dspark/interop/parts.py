@@ -15,6 +15,8 @@ from dspark.drafters.io import (CONFIG, STS, WEIGHTS, config_dict, fold_sts_offs
 from dspark.drafters.model import DSparkDrafter
 from dspark.interop.layout import Tensors, check_tensors, read_json, write_checkpoint, write_json
 
+TARGET_DIR = "target_dir"  # metadata key: the target dir an export was made against (the checkpoint's memory)
+
 
 @dataclass
 class DrafterParts:
@@ -63,3 +65,11 @@ def write_sts(dst: Path, sts: list[float] | None) -> None:
     """sts.json beside the weights (every layout here keeps it as a side file)."""
     if sts:
         write_json(dst / STS, {"temperatures": list(sts)})
+
+
+def with_target(metadata: dict[str, Any], target: Path | None) -> dict[str, Any]:
+    """The metadata an export writes: the training record plus the target dir it was made against, so a
+    checkpoint converted back (and re-exported) finds its target without --target."""
+    if target is None:
+        return metadata
+    return {**metadata, TARGET_DIR: str(Path(target).expanduser().resolve())}

@@ -23,7 +23,7 @@ from dspark.drafters.config import DrafterConfig
 from dspark.drafters.io import CONFIG
 from dspark.interop.layout import (Tensors, join_mlp, prepare_output, read_json, read_weights, split_mlp,
                                    target_lm_head, write_checkpoint)
-from dspark.interop.parts import DrafterParts, read_dspark, sts_parts, write_dspark, write_sts
+from dspark.interop.parts import DrafterParts, read_dspark, sts_parts, with_target, write_dspark, write_sts
 
 SPECULATORS_VERSION = "0.9.0"  # the schema these files follow (checked against that release)
 MODEL_TYPES = ("dspark", "dflash")
@@ -122,7 +122,8 @@ def speculators_config(parts: DrafterParts, *, model_type: str | None = None, ta
             "enable_confidence_head": c.confidence_head,
             "confidence_head_with_markov": c.confidence_head and c.markov_rank > 0} if kind == "dspark" else {}),
         "dtype": _dtype_name(parts.tensors["fc.weight"].dtype),
-        "dspark": parts.metadata,  # passthrough (pydantic extra="allow"): the recipe survives a round trip
+        # passthrough (pydantic extra="allow"): the recipe, and the target dir, survive a round trip
+        "dspark": with_target(parts.metadata, target),
     }
 
 
