@@ -122,6 +122,33 @@ def test_greedy_path_drops_slots_after_a_disagreement():
     assert ok[0, 0].tolist() == [True, True, True, False]  # slot 3 sits after the disagreement at slot 2
 
 
+def test_confidence_label_and_loss_weights():
+    """conf_label "tv" trains the head on 1 - TV/2, "greedy" on the argmax match; combine weighs the parts."""
+    import torch.nn.functional as F
+
+    from dspark.train.losses import combine, dspark_loss_parts
+
+    torch.manual_seed(2)
+    valid = torch.tensor([[[True, True, False]]])  # one block, gamma 3, two valid slots
+    logits = torch.randn(2, 5)
+    labels = logits.argmax(-1).clone()
+    labels[1] = (labels[1] + 1) % 5  # slot 1 hits, slot 2 misses
+    pt = torch.softmax(torch.randn(2, 5), -1)
+    conf = torch.tensor([0.3, -0.2])
+    weights = torch.tensor([1.0, 0.5, 0.25])
+    tv_parts = dspark_loss_parts(logits, conf, labels, valid, pt, torch.arange(2), weights)
+    greedy = dspark_loss_parts(logits, conf, labels, valid, pt, torch.arange(2), weights, conf_label="greedy")
+    w = weights[:2]
+    want = (w * F.binary_cross_entropy_with_logits(conf, torch.tensor([1.0, 0.0]), reduction="none")).sum()
+    torch.testing.assert_close(greedy.conf_num, want)
+    assert not torch.allclose(tv_parts.conf_num, greedy.conf_num)
+    torch.testing.assert_close(tv_parts.ce_num, greedy.ce_num)  # the label choice leaves CE and TV alone
+    only_ce = combine(greedy, 2.0, w_ce=1.0, w_tv=0.0, w_conf=0.0)
+    torch.testing.assert_close(only_ce, greedy.ce_num / 2.0)
+    with pytest.raises(ValueError, match="conf_label"):
+        dspark_loss_parts(logits, conf, labels, valid, pt, torch.arange(2), weights, conf_label="sampled")
+
+
 def test_overfit_loss_decreases_and_export(tiny_setup, tmp_path):
     model, data, _, _ = tiny_setup
     tr = Trainer(_cfg(model, data, tmp_path / "run", steps=20, lr=5e-3, draft_vocab_size=512,
@@ -176,6 +203,25 @@ def test_resume_after_kill_matches_uninterrupted(tiny_setup, tmp_path):
     resumed.fit()
     for k, v in _params(full).items():
         torch.testing.assert_close(_params(resumed)[k], v, atol=0, rtol=0)
+
+
+def test_feature_cache_trains_the_same_weights(tiny_setup, tmp_path):
+    """Two epochs with the target's passes kept in memory == two epochs recomputing them, bit for bit;
+    after the first epoch no pass runs, and a zero budget caches nothing."""
+    model, data, _, _ = tiny_setup
+    plain = Trainer(_cfg(model, data, tmp_path / "a", steps=8, micro_tokens=64))  # 4 steps an epoch
+    plain.fit()
+    cached = Trainer(_cfg(model, data, tmp_path / "b", steps=8, micro_tokens=64, feature_cache_gb=1.0))
+    passes = []
+    forward = cached.target.forward
+    cached.target.forward = lambda *a, **k: passes.append(cached.step) or forward(*a, **k)
+    cached.fit()
+    assert passes and max(passes) < 4 and len(cached.feature_cache.items) == 16
+    for k, v in _params(plain).items():
+        torch.testing.assert_close(_params(cached)[k], v, atol=0, rtol=0)
+    tiny = Trainer(_cfg(model, data, tmp_path / "c", steps=1, feature_cache_gb=1e-9))
+    tiny.fit()
+    assert tiny.feature_cache.items == {}
 
 
 def _rank_main(rank: int, world: int, port: int, model, data, run_dir, out_path) -> None:

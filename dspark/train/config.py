@@ -39,6 +39,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     decay: float = 4.0  # g of w_k = exp(-(k-1)/g)
+    ce_weight: float = 0.1  # loss = ce_weight CE + tv_weight TV + conf_weight BCE (DeepSpec: 0.1 / 0.9 / 1.0)
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0
+    conf_label: str = "tv"  # confidence target: "tv" (1 - TV/2, sampled acceptance) or "greedy" (argmax match)
     seed: int = 0
     val_every_nth: int = 20  # every n-th sequence of each data directory is held out
     val_max: int = 0  # validate on at most this many held-out sequences per directory (0: all)
@@ -49,8 +53,9 @@ class TrainConfig:
     stop_after: int | None = None  # leave after this many optimizer steps in total (simulated kill)
     save_dtype: str = "bfloat16"
     target_dtype: str = "auto"  # the dense target pass computing features: auto = bf16 where supported
-    compute_dtype: str = "bfloat16"  # drafter weights and activations; AdamW keeps fp32 masters
+    compute_dtype: str = "auto"  # drafter weights and activations (auto: as target_dtype); AdamW keeps fp32 masters
     threads: int | None = None
+    feature_cache_gb: float = 0.0  # keep target passes in memory up to this many GiB (0: recompute every time)
     recipe: dict[str, Any] = field(default_factory=dict)
 
 
@@ -77,16 +82,24 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=None, help="top-N tokens of the data (default: full)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
     p.add_argument("--stop-after", type=int, default=None)
-    for name in ("epochs", "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "decay"):
+    for name in ("epochs", "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "decay",
+                 "ce_weight", "tv_weight", "conf_weight"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--conf-label", default=d.conf_label, choices=("tv", "greedy"),
+                   help="the confidence head's target: tv = 1 - TV/2 (what sampling accepts), greedy = 1 "
+                        "where the drafter's argmax is the target's (what greedy verification accepts)")
     p.add_argument("--save-dtype", default=d.save_dtype, choices=("float32", "bfloat16"))
-    p.add_argument("--compute-dtype", default=d.compute_dtype, choices=("float32", "bfloat16"),
-                   help="drafter weights and activations (AdamW keeps fp32 master weights)")
+    p.add_argument("--compute-dtype", default=d.compute_dtype, choices=("auto", "float32", "bfloat16"),
+                   help="drafter weights and activations (AdamW keeps fp32 master weights); auto: bfloat16 "
+                        "where the CPU has fast bf16 matmuls (AMX / AVX-512-bf16) or on CUDA, else float32")
     p.add_argument("--no-curve-snapshots", dest="curve_snapshots", action="store_false",
                    help="learning-curve points log metrics only (no drafter snapshot under RUN_DIR/curve)")
     p.add_argument("--target-dtype", default=d.target_dtype, choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the target computing features (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--feature-cache-gb", type=float, default=d.feature_cache_gb, metavar="GB",
+                   help="keep each sequence's target pass in memory (up to GB GiB) so later epochs and "
+                        "validations skip it; ~14 KB a token in fp32, 7 in bf16 (default 0: recompute)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -1,4 +1,5 @@
-"""Resumable training-data generation: the target answers prompts with dspark's own batched engine."""
+"""Resumable training-data generation: the target answers prompts (DenseTarget.generate: continuous
+batching over a static KV cache), shard by shard."""
 from __future__ import annotations
 
 import inspect

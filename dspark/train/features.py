@@ -1,7 +1,10 @@
 """Target features and soft labels for training, computed online by the dense target pass.
 
 Nothing is cached on disk: at ~6 KB a token, features for millions of tokens would not fit, while the
-dense bf16 pass recomputes them at over a thousand tokens a second on two cores.
+dense bf16 pass recomputes them at over a thousand tokens a second on a CPU with AMX. Where the data
+is small enough to be seen for several epochs, or the CPU is slow (an AVX2-only CPU runs the fp32 pass
+at ~250 tokens a second, three times the drafter's own step), FeatureCache keeps each sequence's pass
+in memory so that later epochs and validations skip it.
 """
 from __future__ import annotations
 
@@ -21,16 +24,48 @@ class TargetBatch:
     final: torch.Tensor  # [B, S, d] the target's final-normed hidden state (its LM head gives p_t)
 
 
+class FeatureCache:
+    """Each sequence's target pass (chosen layers' outputs and final hidden state, [L, ...] in the pass's
+    dtype) kept in memory by sequence key, up to a byte budget; sequences past it are recomputed."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.items: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, key: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.items.get(key)
+
+    def put(self, key: int, hidden: torch.Tensor, final: torch.Tensor) -> None:
+        size = hidden.numel() * hidden.element_size() + final.numel() * final.element_size()
+        if key not in self.items and self.bytes + size <= self.max_bytes:
+            self.items[key] = (hidden.clone(), final.clone())  # clone: a slice would pin the whole batch
+            self.bytes += size
+
+
 @torch.no_grad()
-def target_batch(target, seqs: Sequence[tuple[torch.Tensor, torch.Tensor]], layers: Sequence[int]) -> TargetBatch:
-    """Teacher-forced dense pass over (ids [L], loss_mask [L]) pairs, right-padded into one batch."""
+def target_batch(target, seqs: Sequence[tuple[torch.Tensor, torch.Tensor]], layers: Sequence[int],
+                 cache: FeatureCache | None = None, keys: Sequence[int] | None = None) -> TargetBatch:
+    """Teacher-forced dense pass over (ids [L], loss_mask [L]) pairs, right-padded into one batch. With
+    a cache (and one key per sequence), a batch whose sequences are all cached skips the pass; positions
+    past a sequence's length are then zeros instead of the pass over padding (nothing reads them: the
+    pass is causal and the drafter attends only to context before its anchors)."""
     s = max(len(ids) for ids, _ in seqs)
     ids = torch.zeros(len(seqs), s, dtype=torch.long)
     mask = torch.zeros(len(seqs), s, dtype=torch.bool)
     for i, (x, m) in enumerate(seqs):
         ids[i, :len(x)], mask[i, :len(x)] = x, m
     ids, mask = ids.to(target.device), mask.to(target.device)
+    found = [cache.get(k) for k in keys] if cache is not None and keys is not None else [None]
+    if all(f is not None for f in found):
+        hidden = torch.zeros(len(seqs), s, found[0][0].shape[-1], dtype=found[0][0].dtype, device=target.device)
+        final = torch.zeros(len(seqs), s, found[0][1].shape[-1], dtype=found[0][1].dtype, device=target.device)
+        for i, (h, f) in enumerate(found):
+            hidden[i, :len(h)], final[i, :len(f)] = h, f
+        return TargetBatch(ids, mask, hidden, final)
     hidden, final = target.forward(ids, hidden_layers=tuple(layers))
+    if cache is not None and keys is not None:
+        for i, ((x, _), k) in enumerate(zip(seqs, keys)):
+            cache.put(k, hidden[i, :len(x)], final[i, :len(x)])
     return TargetBatch(ids, mask, hidden, final)
 
 

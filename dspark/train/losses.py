@@ -95,18 +95,28 @@ def vocab_loss(logits: torch.Tensor, pt: torch.Tensor, pt_rows: torch.Tensor, la
     return _VocabLoss.apply(logits, pt, pt_rows, labels, chunk)
 
 
+CONF_LABELS = ("tv", "greedy")  # the confidence head's target: sampled acceptance, or greedy acceptance
+
+
 def dspark_loss_parts(logits: torch.Tensor, conf_logits: torch.Tensor | None, labels_d: torch.Tensor,
                       valid: torch.Tensor, pt: torch.Tensor, pt_rows: torch.Tensor,
-                      weights: torch.Tensor) -> LossParts:
+                      weights: torch.Tensor, conf_label: str = "tv") -> LossParts:
     """Local loss pieces over the valid slots of blocks [B, A, gamma]: valid selects N slots, and
     logits [N, Vd], conf_logits [N], labels_d [N] (the target's greedy token as a draft id, IGNORE
-    outside the draft vocabulary) and pt_rows [N] (into pt [U, Vd], see vocab_loss) are in its order."""
+    outside the draft vocabulary) and pt_rows [N] (into pt [U, Vd], see vocab_loss) are in its order.
+
+    conf_label "tv": the confidence head learns 1 - TV/2, the chance a draft sampled from p_d survives
+    against p_t (what sampling at T = 1 accepts); "greedy": 1 where the drafter's argmax is the target's,
+    what greedy verification accepts."""
+    if conf_label not in CONF_LABELS:
+        raise ValueError(f"conf_label must be one of {CONF_LABELS}, got {conf_label!r}")
     w = weights.view(1, 1, -1).expand_as(valid)[valid]
     nll, tv, hit = vocab_loss(logits, pt, pt_rows, labels_d)
     w_ce = w * (labels_d != IGNORE).float()
     soft = (1.0 - 0.5 * tv).detach().clamp(0.0, 1.0)
     if conf_logits is not None:
-        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft, reduction="none")
+        label = soft if conf_label == "tv" else hit.float()
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), label, reduction="none")
         conf_num = (w * bce).sum()
     else:
         conf_num = logits.new_zeros((), dtype=torch.float32)
@@ -125,10 +135,11 @@ def dspark_loss_parts(logits: torch.Tensor, conf_logits: torch.Tensor | None, la
 
 def combine(parts: LossParts, den: float, *, scale: float = 1.0,
             w_ce: float = 0.1, w_tv: float = 0.9, w_conf: float = 1.0) -> torch.Tensor:
-    """(0.1 CE + 0.9 TV + 1.0 BCE) sums over one GLOBAL denominator: the weight mass of the optimizer
-    step's valid slots, known from the data before any forward, so micro-batches and ranks can each
-    backpropagate their share (times scale, e.g. the world size under DDP). CE sums only the slots whose
-    label is in the draft vocabulary; with the vocabulary covering ~97% of labels that is a rounding."""
+    """(w_ce CE + w_tv TV + w_conf BCE; DeepSpec's 0.1 / 0.9 / 1.0 by default) sums over one GLOBAL
+    denominator: the weight mass of the optimizer step's valid slots, known from the data before any
+    forward, so micro-batches and ranks can each backpropagate their share (times scale, e.g. the world
+    size under DDP). CE sums only the slots whose label is in the draft vocabulary; with the vocabulary
+    covering ~97% of labels that is a rounding."""
     return scale * (w_ce * parts.ce_num + w_tv * parts.tv_num + w_conf * parts.conf_num) / max(den, 1e-9)
 
 

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from dspark.drafters import DrafterConfig, DSparkDrafter, block_labels
+from dspark.models.loader import resolve_dtype
 from dspark.train.config import TrainConfig, config_from_args
-from dspark.train.features import TargetBatch, soft_labels, target_batch
+from dspark.train.features import FeatureCache, TargetBatch, soft_labels, target_batch
 from dspark.train.losses import combine, dspark_loss_parts, position_weights, summarize
 from dspark.train.optim import MasterAdamW
 
@@ -113,12 +114,13 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._load_target()
+        self.feature_cache = FeatureCache(int(cfg.feature_cache_gb * 2**30)) if cfg.feature_cache_gb > 0 else None
         self._load_data()
         self._build_model()
 
     def _load_target(self) -> None:
         from dspark.llm import resolve_model_path
-        from dspark.models.loader import load_decoder, resolve_dtype
+        from dspark.models.loader import load_decoder
         from dspark.train.dense_target import DenseTarget
 
         self.model_path = resolve_model_path(self.cfg.model)
@@ -173,7 +175,7 @@ class Trainer:
         elif dcfg.draft_vocab_size is not None:
             d2t, self.vocab_info = self._build_vocab()
         torch.manual_seed(c.seed)
-        dtype = torch.bfloat16 if c.compute_dtype == "bfloat16" else torch.float32
+        dtype = resolve_dtype(c.compute_dtype, str(self.device))  # bf16 on an AVX2-only CPU is ~5x slower than fp32
         self.model = DSparkDrafter(dcfg, self.embed, self.lm_head, d2t=d2t, dtype=dtype).to(self.device)
         if init is not None:
             self.model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in init.items()},
@@ -302,7 +304,8 @@ class Trainer:
         """(target batch, anchor_pos, anchor_valid, token count) per micro-batch of these sequences."""
         for group in micro_batches([len(self.seqs[i][0]) for i in idx], self.cfg.micro_tokens):
             seqs = [self.seqs[idx[j]][:2] for j in group]
-            tb = target_batch(self.target, seqs, self.dcfg.target_layer_ids)
+            tb = target_batch(self.target, seqs, self.dcfg.target_layer_ids, self.feature_cache,
+                              [idx[j] for j in group])
             pos, valid = pad_anchors([anchors[j] for j in group])
             yield tb, pos, valid, sum(len(s[0]) for s in seqs)
 
@@ -449,15 +452,22 @@ class Trainer:
                                 "num_hidden_layers": self.target_cfg.get("num_hidden_layers")},
                 "train": {k: cfg[k] for k in ("batch_size", "micro_tokens", "anchors", "max_seq_len", "lr",
                                                "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "decay",
-                                               "seed", "val_every_nth", "epochs", "compute_dtype")},
+                                               "seed", "val_every_nth", "epochs", "compute_dtype",
+                                               "ce_weight", "tv_weight", "conf_weight", "conf_label")},
                 "steps": self.total_steps, "world_size": self.world,
-                "losses": "0.1 CE(target argmax) + 0.9 TV(exact, full-vocabulary p_t) + 1.0 BCE(conf, "
-                          "1 - 0.5|p_d - p_t|_1), w_k = exp(-(k-1)/decay), one global denominator",
+                "losses": self.loss_recipe(),
                 "train_sequences": len(self.train_idx), "train_loss_tokens": self.train_tokens,
                 "tokens_seen": self.tokens_before + self.tokens_seen, "train_wall_s": round(self.wall, 1),
                 "val_sequences": len(self.val_idx), "sources": self.sources,
                 "data_recipe": data, "vocab": self.vocab_info, "init_from": self.cfg.init_from,
                 "val": val, **self.cfg.recipe}
+
+    def loss_recipe(self) -> str:
+        """The loss as trained, in words (checkpoint metadata)."""
+        c = self.cfg
+        label = "1 - 0.5|p_d - p_t|_1" if c.conf_label == "tv" else "argmax p_d == argmax p_t"
+        return (f"{c.ce_weight:g} CE(target argmax) + {c.tv_weight:g} TV(exact, full-vocabulary p_t) + "
+                f"{c.conf_weight:g} BCE(conf, {label}), w_k = exp(-(k-1)/decay), one global denominator")
 
     def export(self, directory: str, val: dict, quiet: bool = False) -> None:
         """save_pretrained in save_dtype (the loader casts back to the target's dtype)."""
