@@ -132,7 +132,8 @@ def test_offline_defaults_to_the_shipped_eval_sets(tiny_llama_dir, tmp_path, cap
     args = build_parser().parse_args(["bench", "offline", "--quick"])
     assert args.dataset is None and args.quick and args.model is None  # None: the embedded model
     assert [Path(p).name for p in datasets.shipped_eval_sets()] == ["gsm8k.jsonl", "humaneval.jsonl", "mt-bench.jsonl"]
-    assert QUICK == {"num_prompts": 2, "max_tokens": 32, "repeats": 1}  # a few prompts, few tokens, one repeat
+    # a few prompts, few tokens, one repeat, plain decoding against DSpark's default planner
+    assert QUICK == {"num_prompts": 2, "max_tokens": 32, "repeats": 1, "methods": "ar,dspark-throughput"}
     out = tmp_path / "out"  # the same command on the tiny model, one method, shorter still
     rc = main(["bench", "offline", "--quick", "--model", str(tiny_llama_dir), "--methods", "ar", "--num-prompts", "1",
                "--max-tokens", "4", "--out", str(out), "--no-progress"])

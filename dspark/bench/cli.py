@@ -8,7 +8,8 @@ from pathlib import Path
 
 from dspark.cli_args import add_model_args, add_speculative_args, speculative_kwargs
 
-QUICK = {"num_prompts": 2, "max_tokens": 32, "repeats": 1}  # --quick: a one-minute smoke run
+# --quick: a smoke run of a minute or two: plain decoding against DSpark's default planner only
+QUICK = {"num_prompts": 2, "max_tokens": 32, "repeats": 1, "methods": "ar,dspark-throughput"}
 
 
 def _floats(text: str) -> list[float]:
@@ -48,9 +49,9 @@ def register(sub) -> None:
     _dataset_args(o, " (default: the shipped eval sets, bench/data/eval: gsm8k, humaneval, mt-bench)")
     from dspark.bench.methods import DEFAULT_METHODS
 
-    o.add_argument("--methods", default=DEFAULT_METHODS,
+    o.add_argument("--methods", default=None,
                    help="comma list of ar, ngram, dflash, dspark (= dspark-fixed, -threshold, -throughput), "
-                        "hf, hf-pld, llama.cpp (default: %(default)s)")
+                        f"hf, hf-pld, llama.cpp (default: {DEFAULT_METHODS}; with --quick: {QUICK['methods']})")
     o.add_argument("--max-tokens", type=int, default=None, help="new tokens per prompt (default 256)")
     o.add_argument("--temperature", type=_floats, default=[0.0], help="comma list (default 0: greedy)")
     o.add_argument("--block-size", type=_ints, default=None, help="comma list of drafts per round (default: each "
@@ -145,7 +146,10 @@ def offline(args) -> int:
 
     datasets = load_datasets(args.dataset or shipped_eval_sets(),
                              _pick(args.num_prompts, args.quick, "num_prompts", 20))
-    cfg = OfflineConfig(methods=expand_methods(args.methods), max_tokens=_pick(args.max_tokens, args.quick, "max_tokens", 256),
+    from dspark.bench.methods import DEFAULT_METHODS
+
+    methods = expand_methods(_pick(args.methods, args.quick, "methods", DEFAULT_METHODS))
+    cfg = OfflineConfig(methods=methods, max_tokens=_pick(args.max_tokens, args.quick, "max_tokens", 256),
                         temperatures=args.temperature, block_sizes=args.block_size or [None],
                         concurrency=args.concurrency, repeats=_pick(args.repeats, args.quick, "repeats", 3),
                         seed=args.seed, raw=args.raw, ignore_eos=args.ignore_eos, progress=not args.no_progress)
