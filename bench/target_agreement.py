@@ -18,7 +18,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="target model dir (default: the embedded SmolLM2)")
     p.add_argument("--sequences", type=int, default=24, help="every 20th sequence (the held-out split), up to N")
     args = p.parse_args()
-    from dspark.llm import resolve_model_path
+    from dspark.models.embedded import resolve_model_path
     from dspark.models.loader import load_decoder, resolve_dtype
     from dspark.train.datagen import load_dense_target, load_sequences
 

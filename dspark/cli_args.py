@@ -6,7 +6,7 @@ import argparse
 import os
 
 from dspark.models.loader import DTYPE_CHOICES, QUANTIZATION_CHOICES
-from dspark.spec.config import ALGORITHMS, PLANNERS, VERIFY_MODES
+from dspark.speculative.config import ALGORITHMS, PLANNERS, VERIFY_MODES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -89,9 +89,9 @@ def generate(args) -> int:
 def profile(args) -> int:
     import torch
 
-    from dspark.llm import resolve_model_path
+    from dspark.models.embedded import resolve_model_path
     from dspark.models.loader import load_decoder, resolve_dtype
-    from dspark.spec.profile import default_seq_counts, default_sizes, profile_sps
+    from dspark.speculative.profile import default_seq_counts, default_sizes, profile_sps
 
     for flag, value in (("--max-tokens", args.max_tokens), ("--max-seqs", args.max_seqs), ("--window", args.window),
                         ("--repeats", args.repeats)):

@@ -8,23 +8,12 @@ from typing import Sequence as Seq
 from dspark.cache import KVCache
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.scheduler import SchedulerConfig
-from dspark.models.embedded import ensure_embedded_model
+from dspark.models.embedded import resolve_model_path
 from dspark.models.loader import load_decoder, resolve_dtype
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import SamplingParams
-from dspark.spec.config import SpeculativeConfig
-from dspark.spec.factory import build_planner, build_proposer
-
-def resolve_model_path(model: str | Path | None) -> Path:
-    """None -> the embedded default (converted once); otherwise a local Hugging Face directory."""
-    if model is None or str(model) in ("", "embedded"):
-        return ensure_embedded_model()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model path {str(model)!r} is not a local directory (no model hub is used)")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: expected a Hugging Face model directory")
-    return path
+from dspark.speculative.config import SpeculativeConfig
+from dspark.speculative.factory import build_planner, build_proposer
 
 
 class LLM:

@@ -21,7 +21,7 @@ from dspark.bench.race import first_divergence, format_race, run_race
 from dspark.bench.report import load_results, merge, write_report
 from dspark.bench.roofline import method_fractions, run_roofline
 from dspark.cli import main
-from dspark.spec.cost_table import SPSTable
+from dspark.speculative.cost_table import SPSTable
 from test_speculative import save_random_drafter
 
 ROOT = Path(__file__).resolve().parent.parent

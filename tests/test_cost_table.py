@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.spec.cost_table import SPSTable
+from dspark.speculative.cost_table import SPSTable
 
 META = {"version": 1, "model": "tiny", "dtype": "float32", "threads": 2, "torch": "2.13.0", "device": "cpu"}
 

@@ -337,7 +337,7 @@ def test_cache_rollback_matches_fresh_cache():
 def test_proposer_feeds_context_lazily_and_replaces_reobserved_tails():
     from types import SimpleNamespace
 
-    from dspark.spec.block_drafter import BlockDrafterProposer
+    from dspark.speculative.block_drafter import BlockDrafterProposer
 
     model = make()
     feats, _ = data(b=2, s=16)

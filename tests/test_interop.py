@@ -367,11 +367,11 @@ def test_cli_convert(qwen3_dir, tmp_path, capsys):
 
 
 def test_cli_embedded_source(qwen3_dir, tmp_path, capsys, monkeypatch):
-    import dspark.spec.factory as factory
+    import dspark.drafters.registry as registry
 
-    monkeypatch.setattr(factory, "CHECKPOINTS", tmp_path / "checkpoints")
+    monkeypatch.setattr(registry, "CHECKPOINTS", tmp_path / "checkpoints")
     assert cli_main(["convert", "--to", "speculators", "embedded", str(tmp_path / "out")]) == 2
     assert "SRC 'embedded': no shipped DSPARK drafter" in capsys.readouterr().err
-    random_dspark(qwen3_dir, tmp_path / "checkpoints" / factory.SHIPPED["DSPARK"])
+    random_dspark(qwen3_dir, tmp_path / "checkpoints" / registry.SHIPPED["DSPARK"])
     assert cli_main(["convert", "--to", "speculators", "embedded", str(tmp_path / "out")]) == 0
     assert detect_format(tmp_path / "out") == "speculators"

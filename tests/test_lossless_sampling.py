@@ -27,9 +27,9 @@ from dspark.sampling import rejection
 from dspark.sampling.rejection import Acceptance
 from dspark.sampling.sampler import sample, warp_probs
 from dspark.sampling_params import SamplingParams
-from dspark.spec.block_drafter import BlockDrafterProposer
-from dspark.spec.planners import ThresholdPlanner
-from dspark.spec.proposer import Proposal
+from dspark.speculative.block_drafter import BlockDrafterProposer
+from dspark.speculative.planners import ThresholdPlanner
+from dspark.speculative.proposer import Proposal
 
 VOCAB = 6
 LENGTH = 3  # generated tokens: the first from prefill, the rest from one or two verify rounds

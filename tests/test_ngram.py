@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dspark.spec.ngram import propose_ngram
+from dspark.speculative.ngram import propose_ngram
 
 
 def test_longest_suffix_match_wins() -> None:

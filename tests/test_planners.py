@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dspark.sampling.rejection import accept_sampled, residual_probs
-from dspark.spec.cost_table import SPSTable
-from dspark.spec.planners import (
+from dspark.speculative.cost_table import SPSTable
+from dspark.speculative.planners import (
     FixedPlanner,
     Planner,
     ThresholdPlanner,
@@ -229,7 +229,7 @@ def test_shipped_drafter_brings_its_survival_prior(tmp_path) -> None:
     import json
 
     from dspark.drafters.io import read_survival_prior
-    from dspark.spec.factory import shipped_drafter
+    from dspark.drafters.registry import shipped_drafter
 
     prior = read_survival_prior(shipped_drafter("DSPARK") / "sts.json")
     assert prior and all(0 <= b <= a <= 1 for a, b in zip(prior, prior[1:]))

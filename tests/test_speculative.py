@@ -10,7 +10,7 @@ import torch
 from dspark import LLM, SamplingParams
 from dspark.drafters import DrafterConfig, DSparkDrafter
 from dspark.models.loader import load_decoder
-from dspark.spec.cost_table import SPSTable
+from dspark.speculative.cost_table import SPSTable
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7],  # repetitive: n-gram drafts get accepted
@@ -155,7 +155,7 @@ def test_drafter_mismatch_and_missing(tiny_llama_dir, drafters, tmp_path):
 
 
 def test_profile_writes_a_usable_table(tiny_llama_dir):
-    from dspark.spec.profile import profile_sps
+    from dspark.speculative.profile import profile_sps
 
     # context 16 = one full block: every timed window crosses into a block that truncate() hands back
     table = profile_sps(load_decoder(tiny_llama_dir), [1, 2, 4], context=16, repeats=2, progress=False)
@@ -164,7 +164,7 @@ def test_profile_writes_a_usable_table(tiny_llama_dir):
 
 
 def test_profile_measures_loaded_steps(tiny_llama_dir, tmp_path):
-    from dspark.spec.profile import EXTRA_TOKENS, default_seq_counts, profile_sps
+    from dspark.speculative.profile import EXTRA_TOKENS, default_seq_counts, profile_sps
 
     assert default_seq_counts(1) == [] and default_seq_counts(8) == [2, 4, 8] and default_seq_counts(12) == [2, 4, 8, 12]
     table = profile_sps(load_decoder(tiny_llama_dir), [1, 2], seq_counts=[2, 3], window=3, context=16, repeats=1,
@@ -182,7 +182,7 @@ def test_profile_measures_loaded_steps(tiny_llama_dir, tmp_path):
 
 
 def test_drafting_rounds_are_priced_in_the_tables_step_time(tiny_llama_dir, drafters):
-    from dspark.spec.profile import profile_drafting
+    from dspark.speculative.profile import profile_drafting
 
     decoder = load_decoder(tiny_llama_dir)
     drafter = DSparkDrafter.from_pretrained(drafters["DSPARK"], decoder.embed_tokens.weight, decoder.lm_head.weight)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from dspark.cli_args import add_model_args, add_speculative_args, speculative_kwargs
+from dspark.speculative.config import VERIFY_MODES
 
 # --quick: a smoke run of a minute or two: plain decoding against DSpark's default planner only
 QUICK = {"num_prompts": 2, "max_tokens": 32, "repeats": 1, "methods": "ar,dspark-throughput"}
@@ -66,7 +67,7 @@ def register(sub) -> None:
     o.add_argument("--sps-table", default=None, help="SPS JSON for the throughput planner (default: profile once)")
     o.add_argument("--sts-path", default=None, help="STS JSON for DSpark (default: the drafter's)")
     o.add_argument("--threshold", type=float, default=0.5, help="for dspark-threshold")
-    o.add_argument("--verify-mode", default="compact", choices=["static", "compact", "cap-accept"])
+    o.add_argument("--verify-mode", default="compact", choices=VERIFY_MODES)
     o.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the embedded model's)")
     _common(o)
     o.set_defaults(func=offline)
@@ -134,9 +135,9 @@ def _pick(value, quick: bool, key: str, default):
 
 
 def _shipped_sts(draft: str | None) -> str | None:
-    from dspark.spec.factory import CHECKPOINTS, SHIPPED
+    from dspark.drafters.registry import shipped_path
 
-    return str(Path(draft or CHECKPOINTS / SHIPPED["DSPARK"]) / "sts.json")
+    return str(Path(draft or shipped_path("DSPARK")) / "sts.json")
 
 
 def offline(args) -> int:

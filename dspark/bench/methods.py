@@ -158,7 +158,7 @@ class HFMethod:
     def __init__(self, name: str, setup: Setup, block_size: int | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from dspark.llm import resolve_model_path
+        from dspark.models.embedded import resolve_model_path
         from dspark.models.loader import resolve_dtype
 
         path = resolve_model_path(setup.model)

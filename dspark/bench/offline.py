@@ -64,7 +64,7 @@ def encode_prompts(tokenizer, prompts: list[str], raw: bool) -> list[list[int]]:
 
 def kv_cache_mb(setup: Setup, longest: int, max_tokens: int, concurrency: int) -> int:
     """A KV pool big enough for `concurrency` of the longest request (plus draft room), in MiB."""
-    from dspark.llm import resolve_model_path
+    from dspark.models.embedded import resolve_model_path
     from dspark.models.config import ModelConfig
     from dspark.cache import KVCache
     from dspark.models.decoder import kv_cache_dtype
@@ -91,7 +91,7 @@ def run_offline(datasets: list[Dataset], cfg: OfflineConfig, setup: Setup) -> di
     """Run the suite; return the 'offline' section of results.json."""
     from transformers import AutoTokenizer
 
-    from dspark.llm import resolve_model_path
+    from dspark.models.embedded import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(setup.model)))
     encoded = {d.name: encode_prompts(tokenizer, d.prompts, cfg.raw) for d in datasets}

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from dspark.spec.cost_table import SPSTable
+from dspark.speculative.cost_table import SPSTable
 
 
 def read_bandwidth_gbs(mb: int = 256, repeats: int = 5, device: str = "cpu") -> float:
@@ -63,9 +63,9 @@ def run_roofline(model: str | None = None, *, dtype: str = "auto", quantization:
                  progress: bool = True) -> dict:
     """Measure bandwidth, weight bytes and the SPS curve (or read it from `sps_table`): the 'roofline' section.
     save_sps: also write the table where the throughput planner (--sps-table) can read it."""
-    from dspark.llm import resolve_model_path
+    from dspark.models.embedded import resolve_model_path
     from dspark.models.loader import load_decoder, resolve_dtype
-    from dspark.spec.profile import default_sizes, profile_sps
+    from dspark.speculative.profile import default_sizes, profile_sps
 
     path = resolve_model_path(model)
     decoder = load_decoder(path, dtype=resolve_dtype(dtype, device), device=device, pack=True,

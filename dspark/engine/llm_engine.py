@@ -25,7 +25,7 @@ from dspark.sampling.keyed import accept_keyed, couple_drafts, sample_keyed
 from dspark.sampling.rejection import Acceptance, accept_greedy, accept_sampled
 from dspark.sampling.sampler import sample, warp_probs
 from dspark.sampling_params import SamplingParams
-from dspark.spec.proposer import NoProposer, Proposal, Proposer
+from dspark.speculative.proposer import NoProposer, Proposal, Proposer
 
 log = logging.getLogger("dspark.engine")
 

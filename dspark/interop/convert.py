@@ -50,9 +50,9 @@ def read_any(directory: str | Path) -> DrafterParts:
 def resolve_source(src: str | Path) -> Path:
     """SRC as a path; the word 'embedded' names the shipped DSpark drafter (clear error if not there)."""
     if str(src) == EMBEDDED:
-        from dspark.spec.factory import CHECKPOINTS, SHIPPED
+        from dspark.drafters.registry import shipped_path
 
-        path = CHECKPOINTS / SHIPPED["DSPARK"]
+        path = shipped_path("DSPARK")
         if not (path / CONFIG).is_file():
             raise FileNotFoundError(f"SRC 'embedded': no shipped DSPARK drafter at {path} (not trained or "
                                     "installed yet); pass a drafter directory instead")

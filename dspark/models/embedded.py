@@ -57,6 +57,18 @@ def ensure_embedded_model(verbose: bool = True) -> Path:
     return target
 
 
+def resolve_model_path(model: str | Path | None) -> Path:
+    """None -> the embedded default (converted once); otherwise a local Hugging Face directory."""
+    if model is None or str(model) in ("", "embedded"):
+        return ensure_embedded_model()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path {str(model)!r} is not a local directory (no model hub is used)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: expected a Hugging Face model directory")
+    return path
+
+
 def _convert(gguf: Path, out: Path) -> None:
     # save_pretrained refuses a GGUF-loaded model: rebuild from its config, copy the dequantised weights.
     import torch

@@ -66,8 +66,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) keyword arguments from the flags; ValueError / FileNotFoundError for bad ones, fast."""
-    from dspark.llm import resolve_model_path
-    from dspark.spec.config import SpeculativeConfig
+    from dspark.models.embedded import resolve_model_path
+    from dspark.speculative.config import SpeculativeConfig
 
     for flag, value, least in (("--max-running-requests", args.max_running_requests, 1),
                                ("--chunked-prefill-size", args.chunked_prefill_size, 1),
@@ -95,7 +95,7 @@ def _default_algorithm(args: argparse.Namespace) -> str:
     if args.draft_model is not None:
         return "DSPARK"
     if args.model is None:
-        from dspark.spec.factory import shipped_drafter
+        from dspark.drafters.registry import shipped_drafter
 
         try:
             shipped_drafter("DSPARK")

@@ -110,7 +110,7 @@ def _train_data(args: argparse.Namespace) -> int:
 def _chat_text(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from dspark.llm import resolve_model_path
+    from dspark.models.embedded import resolve_model_path
     from dspark.train.chats import sharegpt_chats, write_chat_shards
 
     if args.prompts or args.code_prompts or args.sharegpt:

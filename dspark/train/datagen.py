@@ -248,7 +248,7 @@ def load_dense_target(model: str | None, *, device: str = "cpu", dtype: str = "a
     """(DenseTarget, tokenizer, recipe info) for the target `model` (None = the embedded default)."""
     from transformers import AutoTokenizer
 
-    from dspark.llm import resolve_model_path
+    from dspark.models.embedded import resolve_model_path
     from dspark.models.loader import load_decoder, resolve_dtype
     from dspark.train.dense_target import DenseTarget
 

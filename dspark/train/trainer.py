@@ -119,7 +119,7 @@ class Trainer:
         self._build_model()
 
     def _load_target(self) -> None:
-        from dspark.llm import resolve_model_path
+        from dspark.models.embedded import resolve_model_path
         from dspark.models.loader import load_decoder
         from dspark.train.dense_target import DenseTarget
 

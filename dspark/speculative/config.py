@@ -23,7 +23,6 @@ class SpeculativeConfig:
     sps_table: str | None = None  # JSON from `dspark profile`; None = profile once and cache
     sts_path: str | None = None  # STS temperatures; None = those shipped with the drafter
     verify_mode: str = "compact"
-    ngram_max_n: int = 3
 
     def __post_init__(self) -> None:
         algo = str(self.algorithm or "NONE").upper()

@@ -44,7 +44,7 @@ class NgramProposer:
         self.max_drafts, self.max_n, self.min_n = num_drafts, max_n, min_n
 
     def propose(self, seqs):
-        from dspark.spec.proposer import Proposal
+        from dspark.speculative.proposer import Proposal
 
         tokens = [propose_ngram(s.tokens, self.max_drafts, self.max_n, self.min_n) for s in seqs]
         return Proposal(tokens=tokens, probs=[None] * len(seqs), confidences=None)

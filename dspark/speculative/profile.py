@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from dspark.models.decoder import Decoder
 from dspark.models.embedded import dspark_home
-from dspark.spec.cost_table import SPSTable
+from dspark.speculative.cost_table import SPSTable
 
 
 def default_sizes(max_tokens: int) -> list[int]:

@@ -6,13 +6,15 @@ then go through the drafter's context projections in one call. Under load the pl
 to draft, and a prompt's worth of context would otherwise be projected for nothing."""
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from typing import TYPE_CHECKING, Sequence as Seq
 
 import torch
 
 from dspark.drafters import DSparkDrafter
-from dspark.engine.sequence import Sequence
-from dspark.spec.proposer import Proposal
+from dspark.speculative.proposer import Proposal
+
+if TYPE_CHECKING:  # type hints only: speculative/ never imports engine/ at run time
+    from dspark.engine.sequence import Sequence
 
 
 class BlockDrafterProposer:

@@ -16,9 +16,9 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import Hashable, Sequence
 
-from dspark.spec.cost_table import SPSTable
+from dspark.speculative.config import PLANNERS
+from dspark.speculative.cost_table import SPSTable
 
-PLANNER_NAMES = ("fixed", "threshold", "throughput")
 THROUGHPUT_VARIANTS = ("lagged", "algorithm1")
 
 
@@ -384,4 +384,4 @@ def make_planner(name: str, table: SPSTable | None = None, **kw: object) -> Plan
         if table is None:
             raise ValueError("planner 'throughput' needs a profiled SPS table (table=None given)")
         return ThroughputPlanner(table, **kw)  # type: ignore[arg-type]
-    raise ValueError(f"unknown planner {name!r}; choose from {', '.join(PLANNER_NAMES)}")
+    raise ValueError(f"unknown planner {name!r}; choose from {', '.join(PLANNERS)}")

@@ -5,37 +5,26 @@ from pathlib import Path
 
 import torch
 
+from dspark.drafters.registry import shipped_drafter
 from dspark.models.decoder import Decoder
 from dspark.models.embedded import embedded_model_dir
 from dspark.models.packing import packing_supported
-from dspark.spec.config import SpeculativeConfig
-from dspark.spec.cost_table import SPSTable
-from dspark.spec.planners import Planner, make_planner
-from dspark.spec.proposer import NoProposer, Proposer
-
-CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
-SHIPPED = {"DSPARK": "smollm2-135m-dspark", "DFLASH": "smollm2-135m-dflash"}
-
-
-def shipped_drafter(algorithm: str) -> Path:
-    """The drafter this project trained and ships for the embedded target."""
-    path = CHECKPOINTS / SHIPPED[algorithm]
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no shipped {algorithm} drafter at {path}; pass draft_model=PATH")
-    return path
-
+from dspark.speculative.config import SpeculativeConfig
+from dspark.speculative.cost_table import SPSTable
+from dspark.speculative.planners import Planner, make_planner
+from dspark.speculative.proposer import NoProposer, Proposer
 
 def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -> Proposer:
     """NONE -> plain decoding; NGRAM -> prompt lookup; DSPARK / DFLASH -> the block drafter."""
     if cfg.algorithm == "NONE":
         return NoProposer()
     if cfg.algorithm == "NGRAM":
-        from dspark.spec.ngram import NgramProposer
+        from dspark.speculative.ngram import NgramProposer
 
-        return NgramProposer(cfg.block_size or 7, max_n=cfg.ngram_max_n)
+        return NgramProposer(cfg.block_size or 7)
     from dspark.drafters.io import read_sts
     from dspark.interop import load_any_drafter
-    from dspark.spec.block_drafter import BlockDrafterProposer
+    from dspark.speculative.block_drafter import BlockDrafterProposer
 
     if cfg.draft_model is None:
         if Path(model_path).resolve() != embedded_model_dir().resolve():
@@ -81,7 +70,7 @@ def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, 
         return None
     if cfg.planner == "threshold":
         return make_planner("threshold", threshold=cfg.threshold)
-    from dspark.spec.profile import load_or_profile, profile_drafting
+    from dspark.speculative.profile import load_or_profile, profile_drafting
 
     window = 1 + proposer.max_drafts
     table = SPSTable.load(cfg.sps_table) if cfg.sps_table else load_or_profile(

@@ -3,11 +3,12 @@ engine runs one loop for all of them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence as Seq
+from typing import TYPE_CHECKING, Protocol, Sequence as Seq
 
 import torch
 
-from dspark.engine.sequence import Sequence
+if TYPE_CHECKING:  # type hints only: speculative/ never imports engine/ at run time
+    from dspark.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
