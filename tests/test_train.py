@@ -205,6 +205,21 @@ def test_resume_after_kill_matches_uninterrupted(tiny_setup, tmp_path):
         torch.testing.assert_close(_params(resumed)[k], v, atol=0, rtol=0)
 
 
+def test_loss_options_reach_the_training_step(tiny_setup, tmp_path):
+    """--ce-weight / --tv-weight / --conf-label change the trained weights and are recorded in the export."""
+    model, data, _, _ = tiny_setup
+    base = Trainer(_cfg(model, data, tmp_path / "a", steps=1))
+    base.train_step(0)
+    for kw in ({"ce_weight": 1.0, "tv_weight": 0.0}, {"conf_label": "greedy"}):
+        other = Trainer(_cfg(model, data, tmp_path / "b", steps=1, **kw))
+        other.train_step(0)
+        assert any(not torch.equal(v, _params(base)[k]) for k, v in _params(other).items()), kw
+    other = Trainer(_cfg(model, data, tmp_path / "c", steps=1, ce_weight=1.0, conf_label="greedy"))
+    train = other.recipe({})["train"]
+    assert train["ce_weight"] == 1.0 and train["conf_label"] == "greedy"
+    assert other.recipe({})["losses"].startswith("1 CE") and "argmax p_d == argmax p_t" in other.recipe({})["losses"]
+
+
 def test_feature_cache_trains_the_same_weights(tiny_setup, tmp_path):
     """Two epochs with the target's passes kept in memory == two epochs recomputing them, bit for bit;
     after the first epoch no pass runs, and a zero budget caches nothing."""

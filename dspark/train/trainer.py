@@ -298,7 +298,8 @@ class Trainer:
         keep = valid & on_greedy_path(greedy, data_next)
         out = self.model(tb.hidden, tb.ids, anchor_pos, anchor_valid, select=keep)
         labels = self.model.draft_labels(greedy[keep])
-        return dspark_loss_parts(out.logits, out.conf_logits, labels, keep, pt, where[keep[valid]], self.weights)
+        return dspark_loss_parts(out.logits, out.conf_logits, labels, keep, pt, where[keep[valid]], self.weights,
+                                 conf_label=self.cfg.conf_label)
 
     def _micro(self, idx: list[int], anchors: list[torch.Tensor]):
         """(target batch, anchor_pos, anchor_valid, token count) per micro-batch of these sequences."""
@@ -320,7 +321,8 @@ class Trainer:
         stats, ntok = None, 0
         for tb, pos, valid, n in self._micro(idx, anchors):
             parts = self.loss_parts(tb, pos, valid)
-            combine(parts, float(den)).backward()
+            combine(parts, float(den), w_ce=self.cfg.ce_weight, w_tv=self.cfg.tv_weight,
+                    w_conf=self.cfg.conf_weight).backward()
             self.opt.accumulate()
             st = parts.stats()
             stats, ntok = (st if stats is None else stats + st), ntok + n
