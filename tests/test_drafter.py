@@ -278,11 +278,16 @@ def test_config_json_carries_speculators_fields(tmp_path: Path):
     make(markov_rank=8).save_pretrained(tmp_path, metadata={"trained_for": {"model": "t", "num_hidden_layers": 4}})
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["speculators_model_type"] == "dspark" and raw["enable_confidence_head"] is True
-    assert raw["aux_hidden_state_layer_ids"] == raw["target_layer_ids"] and raw["sample_from_anchor"] is True
+    # speculators' convention: HF hidden_states indices, one past dspark's layer ids
+    assert raw["aux_hidden_state_layer_ids"] == [i + 1 for i in raw["target_layer_ids"]]
+    assert raw["sample_from_anchor"] is True
     assert raw["transformer_layer_config"]["num_hidden_layers"] == raw["num_layers"]
     assert raw["target"] == {"model": "t", "num_hidden_layers": 4}
     make(markov_rank=0, confidence_head=False).save_pretrained(tmp_path / "dflash")
     assert json.loads((tmp_path / "dflash" / "config.json").read_text())["speculators_model_type"] == "dflash"
+    legacy = {**raw, "aux_hidden_state_layer_ids": raw["target_layer_ids"]}  # as dspark wrote them before
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    DSparkDrafter.from_pretrained(tmp_path, *target_weights())  # still loads
     raw["aux_hidden_state_layer_ids"] = [0]  # a hand edit that contradicts target_layer_ids
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="aux_hidden_state_layer_ids"):

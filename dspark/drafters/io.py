@@ -26,7 +26,8 @@ def speculators_fields(config: DrafterConfig, trained_for: dict[str, Any] | None
     """The same facts under speculators' names, written next to dspark's own so either side can read them."""
     return {
         "speculators_model_type": "dspark" if config.markov_rank or config.confidence_head else "dflash",
-        "aux_hidden_state_layer_ids": list(config.target_layer_ids),
+        # speculators counts HF hidden_states (0 = the embeddings), so target layer i's output is i + 1
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "enable_confidence_head": config.confidence_head,
         "sample_from_anchor": True,  # block position 0 is the anchor (the last committed token)
         "transformer_layer_config": {"num_hidden_layers": config.num_layers,
@@ -38,6 +39,8 @@ def speculators_fields(config: DrafterConfig, trained_for: dict[str, Any] | None
 def _check_aliases(raw: dict[str, Any], config: DrafterConfig, src: Path) -> None:
     """The speculators-named copies must agree with dspark's fields (a hand-edited file may not)."""
     expect = speculators_fields(config, raw.get("target"))
+    if raw.get("aux_hidden_state_layer_ids") == list(config.target_layer_ids):
+        raw = {**raw, "aux_hidden_state_layer_ids": expect["aux_hidden_state_layer_ids"]}  # dspark wrote them 0-based until 2026-12
     for key in ("aux_hidden_state_layer_ids", "enable_confidence_head", "transformer_layer_config"):
         if key in raw and raw[key] != expect[key]:
             raise ValueError(f"{src / CONFIG}: {key} = {raw[key]!r} disagrees with the drafter fields "
