@@ -38,6 +38,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="throughput planner: draft and verify only where the SPS table says speculation beats "
                         "plain decoding by at least this fraction of tokens/s (a margin for measurement error)")
     g.add_argument("--speculative-dspark-sps-table-path", dest="sps_table", default=None)
+    g.add_argument("--speculative-dspark-sps-profile", dest="sps_profile", default=None, choices=("full", "quick"),
+                   help="without an SPS table, what to profile when none is cached: full, or quick (a coarse "
+                        "grid measured in seconds; default for dspark serve, full elsewhere). A cached full "
+                        "table is always used first")
     g.add_argument("--speculative-dspark-confidence-sts-path", dest="sts_path", default=None)
     g.add_argument("--ragged-verify-mode", dest="verify_mode", default=None, choices=VERIFY_MODES,
                    help="default: $SGLANG_RAGGED_VERIFY_MODE or compact")
@@ -58,4 +62,4 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
     return dict(speculative_algorithm=args.speculative_algorithm, draft_model=args.draft_model,
                 num_draft_tokens=block, planner=args.planner, threshold=args.threshold, sps_table=args.sps_table,
                 sts_path=args.sts_path, verify_mode=mode, skip_drafting=args.skip_drafting,
-                min_gain=args.min_gain)
+                min_gain=args.min_gain, sps_profile=args.sps_profile or "full")

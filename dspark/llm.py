@@ -27,7 +27,8 @@ class LLM:
                  num_draft_tokens: int | None = None, planner: str = "throughput", threshold: float = 0.5,
                  throughput_variant: str = "lagged", skip_drafting: bool = True, min_gain: float = 0.05,
                  sps_table: str | Path | None = None,
-                 sts_path: str | Path | None = None, verify_mode: str = "compact", profile_progress: bool = True):
+                 sts_path: str | Path | None = None, verify_mode: str = "compact", sps_profile: str = "full",
+                 profile_progress: bool = True):
         torch_dtype = resolve_dtype(dtype, device)
         if kv_cache_mb <= 0:
             raise ValueError(f"kv_cache_mb must be positive, got {kv_cache_mb}")
@@ -38,7 +39,7 @@ class LLM:
             block_size=num_draft_tokens, planner=planner, threshold=threshold,
             throughput_variant=throughput_variant, skip_drafting=skip_drafting, min_gain=min_gain,
             sps_table=None if sps_table is None else str(sps_table),
-            sts_path=None if sts_path is None else str(sts_path), verify_mode=verify_mode)
+            sts_path=None if sts_path is None else str(sts_path), verify_mode=verify_mode, sps_profile=sps_profile)
         self.model_path = resolve_model_path(model)
         self.decoder = load_decoder(self.model_path, dtype=torch_dtype, device=device, pack=True,
                                     quantization=quantization)

@@ -80,6 +80,19 @@ def test_verify_mode_from_the_sglang_environment_variable(tiny_llama_dir, capsys
     assert e.value.code == 2
 
 
+def test_serve_profiles_quick_unless_told(tiny_llama_dir, monkeypatch):
+    """A first `dspark serve` profiles the quick SPS grid (seconds); the flag asks for the full one."""
+    import dspark.server.cli as server_cli
+    from dspark.cli import build_parser
+
+    def kwargs(*flags):
+        args = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), *flags])
+        return server_cli.llm_kwargs(args)
+
+    assert kwargs()["sps_profile"] == "quick"
+    assert kwargs("--speculative-dspark-sps-profile", "full")["sps_profile"] == "full"
+
+
 def test_taken_port_fails_before_loading(tiny_llama_dir, capsys, no_model_loading):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

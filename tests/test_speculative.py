@@ -181,6 +181,31 @@ def test_profile_measures_loaded_steps(tiny_llama_dir, tmp_path):
     assert SPSTable.load(path).points_by_seqs == pts
 
 
+def test_quick_profile_is_a_coarser_grid_and_a_cached_full_table_wins(tiny_llama_dir, tmp_path, monkeypatch):
+    """A first start with sps_profile "quick" measures the coarse grid (cached apart from the full
+    table); once a full table is cached, quick starts use it."""
+    import dspark.speculative.profile as prof
+
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    assert prof.quick_sizes(40) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 40] and prof.quick_seq_counts(32) == [2, 8, 32]
+    decoder = load_decoder(tiny_llama_dir)
+    calls = []
+    real = prof.profile_sps
+    monkeypatch.setattr(prof, "profile_sps", lambda *a, **k: calls.append((a[1], k)) or real(*a, **{**k, "context": 16}))
+    quick = prof.load_or_profile(tiny_llama_dir, decoder, 12, max_seqs=4, window=3, progress=False, profile="quick")
+    sizes, kw = calls[-1]
+    assert sizes == prof.quick_sizes(12) and kw["seq_counts"] == [2, 4] and kw["repeats"] == 1
+    assert kw["extra_tokens"] == prof.QUICK_EXTRA_TOKENS and sorted(quick.points_by_seqs) == [2, 4]
+    assert prof.load_or_profile(tiny_llama_dir, decoder, 12, max_seqs=4, window=3, profile="quick") is not None
+    assert len(calls) == 1  # cached
+    full = prof.load_or_profile(tiny_llama_dir, decoder, 12, max_seqs=4, window=3, progress=False)
+    assert len(calls) == 2 and calls[-1][0] == prof.default_sizes(12)  # "full" never settles for the quick table
+    again = prof.load_or_profile(tiny_llama_dir, decoder, 12, max_seqs=4, window=3, profile="quick")
+    assert len(calls) == 2 and again.points == full.points  # the cached full table wins
+    with pytest.raises(ValueError, match="sps profile"):
+        prof.load_or_profile(tiny_llama_dir, decoder, 12, profile="fast")
+
+
 def test_drafting_rounds_are_priced_in_the_tables_step_time(tiny_llama_dir, drafters):
     from dspark.speculative.profile import profile_drafting
 

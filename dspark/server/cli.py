@@ -77,6 +77,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     args.speculative_algorithm = _default_algorithm(args)
     spec = speculative_kwargs(args)
+    spec["sps_profile"] = args.sps_profile or "quick"  # a first start answers /health in seconds
     _check_combination(spec, args)
     SpeculativeConfig(algorithm=spec["speculative_algorithm"], draft_model=spec["draft_model"],
                       block_size=spec["num_draft_tokens"], planner=spec["planner"], threshold=spec["threshold"],

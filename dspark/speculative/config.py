@@ -23,6 +23,7 @@ class SpeculativeConfig:
     sps_table: str | None = None  # JSON from `dspark profile`; None = profile once and cache
     sts_path: str | None = None  # STS temperatures; None = those shipped with the drafter
     verify_mode: str = "compact"
+    sps_profile: str = "full"  # with no SPS table: "full" profile, or "quick" (a coarse grid in seconds)
 
     def __post_init__(self) -> None:
         algo = str(self.algorithm or "NONE").upper()
@@ -31,6 +32,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         if self.planner not in PLANNERS:
             raise ValueError(f"planner must be one of {', '.join(PLANNERS)}, got {self.planner!r}")
+        if self.sps_profile not in ("full", "quick"):
+            raise ValueError(f"sps_profile must be full or quick, got {self.sps_profile!r}")
         if self.verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify_mode must be one of {', '.join(VERIFY_MODES)}, got {self.verify_mode!r}")
         if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)

@@ -74,11 +74,15 @@ def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, 
 
     window = 1 + proposer.max_drafts
     table = SPSTable.load(cfg.sps_table) if cfg.sps_table else load_or_profile(
-        model_path, decoder, max_num_seqs * window, max_seqs=max_num_seqs, window=window, progress=progress)
+        model_path, decoder, max_num_seqs * window, max_seqs=max_num_seqs, window=window, progress=progress,
+        profile=cfg.sps_profile)
     draft_seconds = None
     if cfg.skip_drafting and hasattr(proposer, "drafter"):
         sizes = sorted({1, 2, 4, 8, 16, 32, max_num_seqs} & set(range(1, max_num_seqs + 1)))
-        draft_seconds = profile_drafting(proposer.drafter, sizes, decoder=decoder, table=table)
+        if cfg.sps_profile == "quick":
+            sizes = sorted({1, 8, max_num_seqs} & set(sizes))
+        draft_seconds = profile_drafting(proposer.drafter, sizes, decoder=decoder, table=table,
+                                         repeats=2 if cfg.sps_profile == "quick" else 5)
     prior = getattr(getattr(proposer, "drafter", None), "survival_prior", None)
     if cfg.sts_path:
         from dspark.drafters.io import read_survival_prior

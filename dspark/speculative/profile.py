@@ -28,6 +28,24 @@ def default_sizes(max_tokens: int) -> list[int]:
 
 
 EXTRA_TOKENS = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # drafts per loaded step that get measured
+SPS_PROFILES = ("full", "quick")
+# "quick": the grid a first start measures so that a server answers within seconds: fewer sizes, loaded
+# steps of 2, 8 and the most sequences only, one timed pass. The planner interpolates between points,
+# so it prices steps a little more coarsely; `full` (or `dspark profile`) measures everything.
+QUICK_EXTRA_TOKENS = (0, 2, 8, 32)
+
+
+def quick_sizes(max_tokens: int) -> list[int]:
+    """1..8, then doubling up to max_tokens."""
+    sizes = list(range(1, min(max_tokens, 8) + 1))
+    while sizes[-1] < max_tokens:
+        sizes.append(min(max_tokens, sizes[-1] * 2))
+    return sizes
+
+
+def quick_seq_counts(max_seqs: int) -> list[int]:
+    """2, 8 and max_seqs (those under max_seqs)."""
+    return sorted({r for r in (2, 8, max_seqs) if 2 <= r <= max_seqs})
 
 
 def default_seq_counts(max_seqs: int) -> list[int]:
@@ -53,10 +71,11 @@ def _windows(seqs: int, tokens: int, width: int) -> list[int]:
 
 @torch.inference_mode()
 def profile_sps(decoder: Decoder, sizes: list[int], *, seq_counts: list[int] = (), window: int = 8,
-                context: int = 256, repeats: int = 4, progress: bool = True, name: str = "") -> SPSTable:
+                context: int = 256, repeats: int = 4, progress: bool = True, name: str = "",
+                extra_tokens: tuple[int, ...] = EXTRA_TOKENS) -> SPSTable:
     """Median steps/s of one verify forward (logits on every row) over `context` cached tokens per
     sequence: B new tokens of one sequence for B in `sizes`, and for each R in `seq_counts` a loaded
-    step of R sequences with 0..R * (window - 1) drafts (EXTRA_TOKENS). The cached keys are not
+    step of R sequences with 0..R * (window - 1) drafts (`extra_tokens`). The cached keys are not
     computed (attention costs the same whatever their values). The most loaded plain step is also
     timed at twice the context: the table's kv_seconds, the step time per cached token, lets the
     planner price steps over shorter or longer contexts. Every point is timed once per pass, after a
@@ -64,7 +83,7 @@ def profile_sps(decoder: Decoder, sizes: list[int], *, seq_counts: list[int] = (
     curve."""
     seq_counts = sorted({r for r in seq_counts if r >= 2})
     points = [[b] for b in sizes]
-    points += [_windows(r, r + e, window) for r in seq_counts for e in EXTRA_TOKENS if e <= r * (window - 1)]
+    points += [_windows(r, r + e, window) for r in seq_counts for e in extra_tokens if e <= r * (window - 1)]
     widest = max(seq_counts, default=1)
     jobs = [(lens, context) for lens in points] + [([1] * widest, context), ([1] * widest, 2 * context)]
     biggest = max(sum(lens) for lens in points)
@@ -125,26 +144,37 @@ def _monotone(points: dict[int, float]) -> dict[int, float]:
     return out
 
 
-def table_cache_path(model_path: Path, decoder: Decoder, max_tokens: int, max_seqs: int = 1) -> Path:
+def table_cache_path(model_path: Path, decoder: Decoder, max_tokens: int, max_seqs: int = 1,
+                     profile: str = "full") -> Path:
     """Where the cached table for this model / dtype / threads / device / torch version lives."""
     key = "|".join([str(Path(model_path).resolve()), decoder.weight_format, str(torch.get_num_threads()),
-                    str(decoder.device), torch.__version__, str(max_tokens), f"seqs={max_seqs}", "ctx=256"])
+                    str(decoder.device), torch.__version__, str(max_tokens), f"seqs={max_seqs}", "ctx=256"]
+                   + ([] if profile == "full" else [profile]))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return dspark_home() / "sps" / f"{Path(model_path).name}-{digest}.json"
 
 
 def load_or_profile(model_path: Path, decoder: Decoder, max_tokens: int, *, max_seqs: int = 1, window: int = 8,
-                    progress: bool = True) -> SPSTable:
+                    progress: bool = True, profile: str = "full") -> SPSTable:
     """The cached SPS table for this set-up (one-sequence steps up to max_tokens, loaded steps of up to
-    max_seqs sequences with windows up to `window` tokens), profiling once (seconds) if there is none."""
-    path = table_cache_path(model_path, decoder, max_tokens, max_seqs)
-    if path.is_file():
-        try:
-            return SPSTable.load(path)
-        except ValueError:
-            pass  # a damaged cache entry: measure again
-    table = profile_sps(decoder, default_sizes(max_tokens), seq_counts=default_seq_counts(max_seqs), window=window,
-                        progress=progress, name=Path(model_path).name)
+    max_seqs sequences with windows up to `window` tokens), profiling once if there is none. A cached
+    full table is used whatever `profile` asks; with "quick" and none cached, the quick grid is measured
+    (and cached apart), which takes seconds where the full one takes a minute or more."""
+    if profile not in SPS_PROFILES:
+        raise ValueError(f"sps profile must be one of {', '.join(SPS_PROFILES)}, got {profile!r}")
+    for kind in dict.fromkeys(("full", profile)):
+        path = table_cache_path(model_path, decoder, max_tokens, max_seqs, kind)
+        if path.is_file():
+            try:
+                return SPSTable.load(path)
+            except ValueError:
+                pass  # a damaged cache entry: measure again
+    if profile == "quick":
+        table = profile_sps(decoder, quick_sizes(max_tokens), seq_counts=quick_seq_counts(max_seqs), window=window,
+                            repeats=1, progress=progress, name=Path(model_path).name, extra_tokens=QUICK_EXTRA_TOKENS)
+    else:
+        table = profile_sps(decoder, default_sizes(max_tokens), seq_counts=default_seq_counts(max_seqs),
+                            window=window, progress=progress, name=Path(model_path).name)
     path.parent.mkdir(parents=True, exist_ok=True)
     table.save(path)
     return table
