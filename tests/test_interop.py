@@ -82,7 +82,8 @@ def random_dspark(qwen3_dir: Path, out: Path, *, seed: int = 0, dtype=torch.floa
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.2 if "norm" in name else 0.1) + ("norm" in name))
     model.to(dtype).save_pretrained(out, metadata={"trained_for": {"model": "tiny-qwen3", "num_hidden_layers": 3}})
-    (out / "sts.json").write_text(json.dumps({"temperatures": [1.5, 2.0, 2.5, 3.0]}))
+    (out / "sts.json").write_text(json.dumps({"temperatures": [1.5, 2.0, 2.5, 3.0],
+                                              "survival_rate": [0.6, 0.4, 0.25, None]}))  # the planner prior
     return out
 
 

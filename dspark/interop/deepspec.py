@@ -138,7 +138,7 @@ def write_deepspec(parts: DrafterParts, dst: Path, *, target: str | Path, force:
     tensors["lm_head.weight"] = target_lm_head(target).to(dtype)
     prepare_output(dst, force)
     write_checkpoint(dst, config, tensors)
-    write_sts(dst, parts.sts)
+    write_sts(dst, parts)
     return dst
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ class DrafterParts:
     metadata: dict[str, Any] = field(default_factory=dict)
     sts: list[float] | None = None  # per-position STS temperatures
     sts_offset: float = 0.0  # sts.json's logit offset, already folded into the tensors' confidence-head bias
+    survival: list[float | None] | None = None  # sts.json's survival_rate: the throughput planner's prior
 
     def validate(self, source: str) -> DrafterParts:
         """Raise ValueError unless the tensors are exactly those of DSparkDrafter(config)."""
@@ -52,19 +54,24 @@ def read_dspark(src: Path) -> DrafterParts:
 def sts_parts(src: Path, config: DrafterConfig, tensors: Tensors, metadata: dict[str, Any]) -> DrafterParts:
     """DrafterParts with the STS side file of `src` applied: temperatures kept, logit offset folded in."""
     offset = read_sts_offset(src / STS)
-    return DrafterParts(config, fold_sts_offset(tensors, offset, src / STS), metadata, read_sts(src / STS), offset)
+    raw = json.loads((src / STS).read_text()) if (src / STS).is_file() else None  # read_sts_offset above parsed it already
+    survival = raw.get("survival_rate") if isinstance(raw, dict) else None
+    return DrafterParts(config, fold_sts_offset(tensors, offset, src / STS), metadata, read_sts(src / STS), offset,
+                        survival if isinstance(survival, list) else None)
 
 
 def write_dspark(dst: Path, parts: DrafterParts) -> None:
     """Write parts in the layout DSparkDrafter.from_pretrained reads."""
     write_checkpoint(dst, config_dict(parts.config, parts.metadata), parts.tensors)
-    write_sts(dst, parts.sts)
+    write_sts(dst, parts)
 
 
-def write_sts(dst: Path, sts: list[float] | None) -> None:
-    """sts.json beside the weights (every layout here keeps it as a side file)."""
-    if sts:
-        write_json(dst / STS, {"temperatures": list(sts)})
+def write_sts(dst: Path, parts: DrafterParts) -> None:
+    """sts.json beside the weights (every layout here keeps it as a side file): the temperatures and the
+    measured survival rates (the offset is already in the confidence head's bias)."""
+    if parts.sts:
+        extra = {"survival_rate": list(parts.survival)} if parts.survival else {}
+        write_json(dst / STS, {"temperatures": list(parts.sts), **extra})
 
 
 def with_target(metadata: dict[str, Any], target: Path | None) -> dict[str, Any]:

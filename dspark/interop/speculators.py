@@ -65,7 +65,7 @@ def write_speculators(parts: DrafterParts, dst: Path, *, target: str | Path | No
     tensors = speculators_tensors(parts, target_dir)
     prepare_output(dst, force)
     write_checkpoint(dst, config, tensors)
-    write_sts(dst, parts.sts)
+    write_sts(dst, parts)
     return dst
 
 
