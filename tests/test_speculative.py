@@ -187,14 +187,15 @@ def test_quick_profile_is_a_coarser_grid_and_a_cached_full_table_wins(tiny_llama
     import dspark.speculative.profile as prof
 
     monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
-    assert prof.quick_sizes(40) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 40] and prof.quick_seq_counts(32) == [2, 8, 32]
+    assert prof.quick_sizes(40) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32] and prof.quick_sizes(12) == [*range(1, 9)]
+    assert prof.quick_seq_counts(32) == [2, 8, 32]
     decoder = load_decoder(tiny_llama_dir)
     calls = []
     real = prof.profile_sps
     monkeypatch.setattr(prof, "profile_sps", lambda *a, **k: calls.append((a[1], k)) or real(*a, **{**k, "context": 16}))
     quick = prof.load_or_profile(tiny_llama_dir, decoder, 12, max_seqs=4, window=3, progress=False, profile="quick")
     sizes, kw = calls[-1]
-    assert sizes == prof.quick_sizes(12) and kw["seq_counts"] == [2, 4] and kw["repeats"] == 1
+    assert sizes == prof.quick_sizes(12) and kw["seq_counts"] == [2, 4] and kw["repeats"] == 1 and kw["light_warmup"]
     assert kw["extra_tokens"] == prof.QUICK_EXTRA_TOKENS and sorted(quick.points_by_seqs) == [2, 4]
     assert prof.load_or_profile(tiny_llama_dir, decoder, 12, max_seqs=4, window=3, profile="quick") is not None
     assert len(calls) == 1  # cached
@@ -204,6 +205,13 @@ def test_quick_profile_is_a_coarser_grid_and_a_cached_full_table_wins(tiny_llama
     assert len(calls) == 2 and again.points == full.points  # the cached full table wins
     with pytest.raises(ValueError, match="sps profile"):
         prof.load_or_profile(tiny_llama_dir, decoder, 12, profile="fast")
+    steps = []
+    timer = prof._time_step
+    monkeypatch.setattr(prof, "_time_step", lambda *a: steps.append(a[2]) or timer(*a))
+    for light in (False, True):
+        real(decoder, [1, 2, 4], seq_counts=[2], window=3, context=16, repeats=1, progress=False, light_warmup=light)
+    jobs = 3 + 4 + 2  # sizes, loaded steps of 2 sequences (0, 1, 2, 4 drafts), the two kv_seconds steps
+    assert len(steps) == 2 * jobs + jobs + 3  # full warm-up; light: one step per sequence count + the biggest
 
 
 def test_drafting_rounds_are_priced_in_the_tables_step_time(tiny_llama_dir, drafters):
