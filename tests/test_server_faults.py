@@ -262,47 +262,12 @@ def test_a_body_that_never_arrives_gets_408_and_is_closed(strict_server, caplog)
 def test_heavy_prompts_do_not_stall_health_or_streams(strict_server):
     """Four ~1 MB prompts, each tokenized for about a second and then rejected as too long, while a
     stream runs and /health is polled: neither waits as long as one tokenization."""
-    big = {"prompt": "hello world, this is text " * 38_000, "max_tokens": 2}
-    stream_body = {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    from dspark.bench.abuse import stall_check
 
-    async def main():
-        async with httpx.AsyncClient(timeout=60) as c:
-            async def poll_health(stop: asyncio.Event) -> list[float]:
-                waits = []
-                while not stop.is_set():
-                    t = time.perf_counter()
-                    assert (await c.get(strict_server.url + "/health")).status_code == 200
-                    waits.append(time.perf_counter() - t)
-                    await asyncio.sleep(0.05)
-                return waits
-
-            async def stream_gaps(started: asyncio.Event, stop: asyncio.Event) -> list[float]:
-                gaps, last = [], None
-                async with c.stream("POST", strict_server.url + "/v1/completions", json=stream_body) as r:
-                    async for line in r.aiter_lines():
-                        now = time.perf_counter()
-                        if line.startswith("data: "):
-                            started.set()
-                            if last is not None and not stop.is_set():
-                                gaps.append(now - last)
-                            last = now
-                return gaps
-
-            started, stop = asyncio.Event(), asyncio.Event()
-            streaming = asyncio.create_task(stream_gaps(started, stop))
-            await started.wait()
-            health = asyncio.create_task(poll_health(stop))
-            t = time.perf_counter()
-            rejected = await asyncio.gather(*(c.post(strict_server.url + "/v1/completions", json=big)
-                                              for _ in range(4)))
-            busy = time.perf_counter() - t
-            stop.set()
-            return rejected, busy, await health, await streaming
-
-    rejected, busy, health, gaps = asyncio.run(main())
-    assert all(r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded" for r in rejected)
-    assert busy > 1.0 and len(health) >= 5, (busy, health)  # the prompts did take their time
-    assert max(health) < 1.0 and max(gaps) < 1.0, (max(health), max(gaps), busy)
+    st = asyncio.run(stall_check(strict_server.url, 4, repeats=38_000, stream_tokens=400))
+    assert st["context_length_exceeded"] == 4, st
+    assert st["busy_s"] > 1.0 and st["health_polls"] >= 5, st  # the prompts did take their time
+    assert st["max_health_s"] < 1.0 and st["max_stream_gap_s"] < 1.0, st
 
 
 def test_prompts_waiting_to_be_tokenized_are_bounded(strict_server, monkeypatch):

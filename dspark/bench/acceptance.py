@@ -1,68 +1,8 @@
-"""Per-round bookkeeping for tau and per-position conditional acceptance.
-
-RequestOutput gives the tokens committed per round (accept_lengths) but not how many drafts each round
-verified. RoundRecorder observes the engine's proposer and planner (read-only wrappers, installed from
-outside) to log the verify window of every round, per request, in the same order as accept_lengths.
-"""
+"""Per-round bookkeeping for tau and per-position conditional acceptance, from each RequestOutput's
+accept_lengths (tokens committed per round) and verify_lengths (drafts verified per round)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-
-class RoundRecorder:
-    """Logs the verify window length of every decode round, per request id."""
-
-    def __init__(self, engine):
-        self.windows: dict[str, list[int]] = {}
-        self._static = getattr(engine, "verify_mode", "compact") == "static"
-        engine.proposer = _Proposer(engine.proposer, self)
-        if engine.planner is not None:
-            engine.planner = _Planner(engine.planner, self)
-
-    def take(self, request_id: str) -> list[int]:
-        """The windows of a finished request (forgotten afterwards)."""
-        return self.windows.pop(request_id, [])
-
-    def _drafted(self, request_ids: list[str], counts: list[int]) -> None:
-        for rid, n in zip(request_ids, counts):
-            self.windows.setdefault(rid, []).append(n)
-
-    def _planned(self, request_ids: list[str], lengths: list[int]) -> None:
-        if self._static:
-            return
-        for rid, l in zip(request_ids, lengths):
-            log = self.windows[rid]
-            log[-1] = min(log[-1], int(l))
-
-
-class _Proposer:
-    """Delegates to the engine's proposer; notes how many drafts each request got."""
-
-    def __init__(self, inner, recorder: RoundRecorder):
-        self._inner, self._rec = inner, recorder
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def propose(self, seqs):
-        proposal = self._inner.propose(seqs)
-        self._rec._drafted([s.request_id for s in seqs], [len(t) for t in proposal.tokens])
-        return proposal
-
-
-class _Planner:
-    """Delegates to the engine's planner; notes the planned verify lengths."""
-
-    def __init__(self, inner, recorder: RoundRecorder):
-        self._inner, self._rec = inner, recorder
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def plan(self, request_ids, confidences, extra_tokens=0, context_tokens=None):
-        lengths = self._inner.plan(request_ids, confidences, extra_tokens, context_tokens)
-        self._rec._planned(list(request_ids), list(lengths))
-        return lengths
 
 
 @dataclass

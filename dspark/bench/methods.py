@@ -13,7 +13,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark.bench.acceptance import RoundRecorder
 from dspark.sampling_params import SamplingParams
 
 ENGINE_METHODS = {  # name -> LLM keyword arguments
@@ -112,7 +111,6 @@ class EngineMethod:
                        max_num_seqs=setup.max_num_seqs,
                        kv_cache_mb=setup.kv_cache_mb, profile_progress=False, **kw)
         self.tokenizer = self.llm.tokenizer
-        self.recorder = RoundRecorder(self.llm.engine)
 
     @property
     def draft_vocab(self):
@@ -143,8 +141,7 @@ class EngineMethod:
 
     def _completion(self, out) -> Completion:
         m = out.metrics
-        windows = self.recorder.take(out.request_id)
-        windows = getattr(out, "verify_lengths", None) or m.get("verify_lengths") or windows  # the engine's, if exposed
+        windows = out.verify_lengths  # drafts verified per round, in the order of accept_lengths
         first, arrival, finish = m.get("first_token_time"), m.get("arrival"), m.get("finish_time")
         n = len(out.token_ids)
         return Completion(list(out.token_ids), list(out.accept_lengths), list(windows),

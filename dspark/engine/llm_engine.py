@@ -25,6 +25,7 @@ from dspark.sampling.keyed import accept_keyed, couple_drafts, sample_keyed
 from dspark.sampling.rejection import Acceptance, accept_greedy, accept_sampled
 from dspark.sampling.sampler import sample, warp_probs
 from dspark.sampling_params import SamplingParams
+from dspark.speculative.planners import FixedPlanner
 from dspark.speculative.proposer import NoProposer, Proposal, Proposer
 
 log = logging.getLogger("dspark.engine")
@@ -59,7 +60,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.cache: KVCache = model.new_cache(cache_blocks, block_size)
         self.proposer: Proposer = proposer or NoProposer()
-        self.planner = planner
+        self.planner = planner or FixedPlanner()  # no planner: verify every draft
         self.verify_mode = verify_mode  # static: verify every draft; compact: the planned windows;
         # cap-accept: verify every draft but commit only the planned window (the acceptance ceiling)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache)
@@ -217,8 +218,7 @@ class LLMEngine:
         if not seqs or self.proposer.max_drafts == 0:
             return self.proposer.propose(seqs)
         ids = [s.request_id for s in seqs]
-        if (self.planner is not None and self.verify_mode != "static"
-                and not self.planner.should_draft(ids, prefill_tokens, context)):
+        if self.verify_mode != "static" and not self.planner.should_draft(ids, prefill_tokens, context):
             self.stats.skipped_drafting += 1
             return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs), confidences=None)
         return self.proposer.propose(seqs)
@@ -235,7 +235,7 @@ class LLMEngine:
 
     def _plan(self, seqs: list[Sequence], proposal: Proposal, prefill_tokens: int, context: int) -> list[int]:
         n = [len(t) for t in proposal.tokens]
-        if self.planner is None or not seqs or self.verify_mode == "static" or not any(n):
+        if not seqs or self.verify_mode == "static" or not any(n):
             return n
         lengths = self.planner.plan([s.request_id for s in seqs], proposal.confidences or [[1.0] * k for k in n],
                                     prefill_tokens, context)
@@ -309,8 +309,7 @@ class LLMEngine:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)
         self.proposer.release(seq)
-        if self.planner is not None:
-            self.planner.release(seq.request_id)
+        self.planner.release(seq.request_id)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = final_text(seq, self.tokenizer) if seq.finished and seq.error is None else seq.text

@@ -150,7 +150,7 @@ def load_llm(kwargs: dict):
     log.info("model loaded in %.1f s: context %d tokens, KV cache %d tokens, %s proposer (%d drafts), planner %s",
              time.perf_counter() - t, eng.max_model_len, eng.cache.num_blocks * eng.cache.block_size,
              type(eng.proposer).__name__, eng.proposer.max_drafts,
-             type(eng.planner).__name__ if eng.planner is not None else "none")
+             type(eng.planner).__name__)
     return llm
 
 
