@@ -202,7 +202,7 @@ class DenseTarget:
         span = int(pos.max()) + 1
         x = self.embed[last[idx]].unsqueeze(1)  # [A, 1, d]
         hidden = (torch.arange(span, device=self.device) > pos.unsqueeze(1)).view(len(active), 1, 1, span)
-        # Past half the slots, attend from every slot's view of the cache (free) and keep the active
+        # Past half the slots, attend from every slot's view of the cache (no copy) and keep the active
         # rows; below it, gather the active slots' K/V (a copy, cheaper than attending for idle slots).
         full = 2 * len(active) > kv.shape[2]
         if full:
@@ -225,8 +225,9 @@ class DenseTarget:
                           hidden: torch.Tensor) -> torch.Tensor:
         """One query per slot: q [A, H, 1, hd] over keys / vals [A, Hkv, span, hd], positions where hidden
         [A, 1, 1, span] is True masked out -> [A, H, 1, hd]. The query heads sharing a KV head go through
-        one batched matmul against it: SDPA with GQA and a mask copies every key and value per query
-        head at q_len 1, which made attention a third of a 64-slot decode step."""
+        one batched matmul against it (as fast as SDPA with GQA here: 745 vs 739 ms for a 64-slot fp32
+        step on a 2-core AVX2 CPU); what pays is that it reads strided views of the cache, so a batch
+        with idle slots needs no gathered copy of the active ones' K/V (565 vs 706 ms at 42 of 64)."""
         a, h, _, hd = q.shape
         qg = q.reshape(a, self.hkv, h // self.hkv, hd) * hd ** -0.5  # head i uses KV head i // group
         scores = (qg @ keys.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))  # [A, Hkv, group, span]
