@@ -23,7 +23,7 @@ KV_CHUNK = KV_ALIGN  # keys per probs @ values product: every chunk the same len
 # Fewest rows per (sequence, kv head) matmul. BLAS libraries reduce a row differently when the matrix
 # has very few rows (Intel's MKL on AMX CPUs: 1 row; on AVX2-only AMD CPUs: up to 3 rows) and the same
 # for every row count above that, so a decode's rows are padded up to this many.
-MIN_ROWS = 8
+MIN_ROWS = 4
 _NEG_INF = torch.tensor(float("-inf"))  # made once: a Python scalar in torch.where becomes a new tensor per call
 
 
