@@ -6,7 +6,7 @@ import argparse
 import os
 
 from dspark.models.loader import DTYPE_CHOICES, QUANTIZATION_CHOICES
-from dspark.speculative.config import ALGORITHMS, PLANNERS, VERIFY_MODES
+from dspark.speculative.config import ALGORITHMS, PLANNERS, SPS_PROFILES, VERIFY_MODES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="throughput planner: draft and verify only where the SPS table says speculation beats "
                         "plain decoding by at least this fraction of tokens/s (a margin for measurement error)")
     g.add_argument("--speculative-dspark-sps-table-path", dest="sps_table", default=None)
-    g.add_argument("--speculative-dspark-sps-profile", dest="sps_profile", default=None, choices=("full", "quick"),
+    g.add_argument("--speculative-dspark-sps-profile", dest="sps_profile", default=None, choices=SPS_PROFILES,
                    help="without an SPS table, what to profile when none is cached: full, or quick (a coarse "
                         "grid measured in seconds; default for dspark serve, full elsewhere). A cached full "
                         "table is always used first")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 ALGORITHMS = ("NONE", "NGRAM", "DFLASH", "DSPARK")
 PLANNERS = ("fixed", "threshold", "throughput")
 VERIFY_MODES = ("static", "compact", "cap-accept")
+SPS_PROFILES = ("full", "quick")  # what a start with no SPS table measures (speculative/profile.py)
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         if self.planner not in PLANNERS:
             raise ValueError(f"planner must be one of {', '.join(PLANNERS)}, got {self.planner!r}")
-        if self.sps_profile not in ("full", "quick"):
-            raise ValueError(f"sps_profile must be full or quick, got {self.sps_profile!r}")
+        if self.sps_profile not in SPS_PROFILES:
+            raise ValueError(f"sps_profile must be one of {', '.join(SPS_PROFILES)}, got {self.sps_profile!r}")
         if self.verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify_mode must be one of {', '.join(VERIFY_MODES)}, got {self.verify_mode!r}")
         if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)

@@ -14,6 +14,7 @@ from dspark.speculative.cost_table import SPSTable
 from dspark.speculative.planners import Planner, make_planner
 from dspark.speculative.proposer import NoProposer, Proposer
 
+
 def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -> Proposer:
     """NONE -> plain decoding; NGRAM -> prompt lookup; DSPARK / DFLASH -> the block drafter."""
     if cfg.algorithm == "NONE":
@@ -70,7 +71,7 @@ def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, 
         return None
     if cfg.planner == "threshold":
         return make_planner("threshold", threshold=cfg.threshold)
-    from dspark.speculative.profile import load_or_profile, profile_drafting
+    from dspark.speculative.profile import drafting_grid, load_or_profile, profile_drafting
 
     window = 1 + proposer.max_drafts
     table = SPSTable.load(cfg.sps_table) if cfg.sps_table else load_or_profile(
@@ -78,11 +79,8 @@ def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, 
         profile=cfg.sps_profile)
     draft_seconds = None
     if cfg.skip_drafting and hasattr(proposer, "drafter"):
-        sizes = sorted({1, 2, 4, 8, 16, 32, max_num_seqs} & set(range(1, max_num_seqs + 1)))
-        if cfg.sps_profile == "quick":
-            sizes = sorted({1, 8, max_num_seqs} & set(sizes))
-        draft_seconds = profile_drafting(proposer.drafter, sizes, decoder=decoder, table=table,
-                                         repeats=2 if cfg.sps_profile == "quick" else 5)
+        sizes, repeats = drafting_grid(max_num_seqs, cfg.sps_profile)
+        draft_seconds = profile_drafting(proposer.drafter, sizes, decoder=decoder, table=table, repeats=repeats)
     prior = getattr(getattr(proposer, "drafter", None), "survival_prior", None)
     if cfg.sts_path:
         from dspark.drafters.io import read_survival_prior

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from dspark.models.decoder import Decoder
 from dspark.models.embedded import dspark_home
+from dspark.speculative.config import SPS_PROFILES
 from dspark.speculative.cost_table import SPSTable
 
 
@@ -28,7 +29,6 @@ def default_sizes(max_tokens: int) -> list[int]:
 
 
 EXTRA_TOKENS = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # drafts per loaded step that get measured
-SPS_PROFILES = ("full", "quick")
 # "quick": the grid a first start measures so that a server answers within seconds: fewer sizes, loaded
 # steps of 2, 8 and the most sequences only, one timed pass. The planner interpolates between points,
 # so it prices steps a little more coarsely; `full` (or `dspark profile`) measures everything.
@@ -43,7 +43,7 @@ def quick_sizes(max_tokens: int) -> list[int]:
 
 
 def quick_seq_counts(max_seqs: int) -> list[int]:
-    """2, 8 and max_seqs (those under max_seqs)."""
+    """2, 8 and max_seqs (those up to max_seqs)."""
     return sorted({r for r in (2, 8, max_seqs) if 2 <= r <= max_seqs})
 
 
@@ -169,12 +169,13 @@ def load_or_profile(model_path: Path, decoder: Decoder, max_tokens: int, *, max_
     if profile not in SPS_PROFILES:
         raise ValueError(f"sps profile must be one of {', '.join(SPS_PROFILES)}, got {profile!r}")
     for kind in dict.fromkeys(("full", profile)):
-        path = table_cache_path(model_path, decoder, max_tokens, max_seqs, kind)
-        if path.is_file():
+        cached = table_cache_path(model_path, decoder, max_tokens, max_seqs, kind)
+        if cached.is_file():
             try:
-                return SPSTable.load(path)
+                return SPSTable.load(cached)
             except ValueError:
                 pass  # a damaged cache entry: measure again
+    path = table_cache_path(model_path, decoder, max_tokens, max_seqs, profile)
     if profile == "quick":
         table = profile_sps(decoder, quick_sizes(max_tokens), seq_counts=quick_seq_counts(max_seqs), window=window,
                             repeats=1, progress=progress, name=Path(model_path).name, extra_tokens=QUICK_EXTRA_TOKENS,
@@ -185,6 +186,13 @@ def load_or_profile(model_path: Path, decoder: Decoder, max_tokens: int, *, max_
     path.parent.mkdir(parents=True, exist_ok=True)
     table.save(path)
     return table
+
+
+def drafting_grid(max_seqs: int, profile: str = "full") -> tuple[list[int], int]:
+    """(batch sizes, timed passes) at which a start times drafting rounds: 1, 2, 4, ..., 32 and max_seqs
+    in five passes; with "quick", 1, 8 and max_seqs in two."""
+    sizes = {1, 8, max_seqs} if profile == "quick" else {1, 2, 4, 8, 16, 32, max_seqs}
+    return sorted(r for r in sizes if 1 <= r <= max_seqs), 2 if profile == "quick" else 5
 
 
 @torch.inference_mode()
