@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from dspark.cache import blocks_for
 from dspark.models.layers import apply_rotary
 from dspark.models.packing import PackedLinear, packing_supported
 
@@ -178,20 +179,25 @@ class DenseTarget:
 
     def _prefill(self, kv, slots: list[int], prompts: list[Sequence[int]], lengths: torch.Tensor,
                  temperature, top_p, top_k, gen) -> torch.Tensor:
-        """Run new prompts densely, store their K/V in their slots; returns each one's first token."""
+        """Run new prompts densely, store their K/V in their slots; returns each one's first token.
+        Prompts of similar length share a forward (see _length_groups), so short ones are not padded
+        to the longest of the batch."""
         n = [len(p) for p in prompts]
-        ids = torch.zeros(len(prompts), max(n), dtype=torch.long, device=self.device)
-        for j, p in enumerate(prompts):
-            ids[j, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-        cache: list = []
-        _, h = self.forward(ids, cache=cache)
-        for layer, (k, v) in enumerate(cache):
-            for j, slot in enumerate(slots):
-                kv[layer, 0, slot, :, :n[j]] = k[j, :, :n[j]]
-                kv[layer, 1, slot, :, :n[j]] = v[j, :, :n[j]]
+        last_h = []
+        for group in _length_groups(n):
+            ids = torch.zeros(len(group), max(n[j] for j in group), dtype=torch.long, device=self.device)
+            for row, j in enumerate(group):
+                ids[row, :n[j]] = torch.as_tensor(list(prompts[j]), dtype=torch.long)
+            cache: list = []
+            _, h = self.forward(ids, cache=cache)
+            for layer, (k, v) in enumerate(cache):
+                for row, j in enumerate(group):
+                    kv[layer, 0, slots[j], :, :n[j]] = k[row, :, :n[j]]
+                    kv[layer, 1, slots[j], :, :n[j]] = v[row, :, :n[j]]
+            last_h += [(j, h[row, n[j] - 1]) for row, j in enumerate(group)]
         for j, slot in enumerate(slots):
             lengths[slot] = n[j]
-        last_h = h[torch.arange(len(prompts)), torch.as_tensor(n) - 1]
+        last_h = torch.stack([x for _, x in sorted(last_h, key=lambda e: e[0])])
         return _pick(self.logits(last_h).float(), temperature, top_p, top_k, gen)
 
     def _decode(self, kv, last: torch.Tensor, lengths: torch.Tensor, active: list[int],
@@ -251,11 +257,27 @@ class DenseTarget:
 def served_logits(decoder, ids: torch.Tensor) -> torch.Tensor:
     """Teacher-forced logits [L, V] of one sequence through the engine's decoder (the served path)."""
     n = len(ids)
-    cache = decoder.new_cache((n + 15) // 16 + 1, block_size=16)
+    cache = decoder.new_cache(blocks_for(n) + 1)
     cache.reserve("s", n)
     meta = cache.prepare(["s"], [n])
     pos = torch.arange(n, device=decoder.device)
     return decoder(ids.to(decoder.device), pos, cache, meta, logits_rows=pos).logits
+
+
+def _length_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
+    """Indices of `lengths` in groups of similar length (longest first), each padded to its longest by at
+    most `max_padding` of its real tokens: a shard's prompts range from ~30 to ~2,000 tokens, and one
+    padded batch would spend most of its prefill on padding."""
+    groups: list[list[int]] = []
+    real = 0
+    for j in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + max_padding) * (real + lengths[j]):
+            groups[-1].append(j)
+            real += lengths[j]
+        else:
+            groups.append([j])
+            real = lengths[j]
+    return groups
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
