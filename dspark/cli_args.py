@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from dspark.config import EngineConfig
+from dspark.errors import ConfigError
 from dspark.models.loader import DTYPE_CHOICES, QUANTIZATION_CHOICES
-from dspark.speculative.config import ALGORITHMS, PLANNERS, SPS_PROFILES, VERIFY_MODES
+from dspark.speculative.config import Algorithm, PlannerKind, SpsProfile, VerifyMode, choices
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -23,14 +25,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-algorithm", type=str.upper, default="NONE", choices=ALGORITHMS)
+    g.add_argument("--speculative-algorithm", type=str.upper, default="NONE", choices=choices(Algorithm))
     g.add_argument("--speculative-draft-model-path", dest="draft_model", default=None,
                    help="drafter directory (default for DSPARK / DFLASH: the shipped drafter)")
     g.add_argument("--speculative-dspark-block-size", dest="block_size", type=int, default=None,
                    help="drafts per round (gamma); default: the drafter's")
     g.add_argument("--speculative-num-draft-tokens", dest="num_draft_tokens", type=int, default=None,
                    help="SGLang's name: must equal block size + 1 (anchor + drafts)")
-    g.add_argument("--speculative-dspark-planner", dest="planner", default="throughput", choices=PLANNERS)
+    g.add_argument("--speculative-dspark-planner", dest="planner", default="throughput", choices=choices(PlannerKind))
     g.add_argument("--speculative-dspark-threshold", dest="threshold", type=float, default=0.5)
     g.add_argument("--speculative-dspark-no-skip-drafting", dest="skip_drafting", action="store_false",
                    help="throughput planner: draft every round, even where drafting cannot pay")
@@ -38,28 +40,62 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="throughput planner: draft and verify only where the SPS table says speculation beats "
                         "plain decoding by at least this fraction of tokens/s (a margin for measurement error)")
     g.add_argument("--speculative-dspark-sps-table-path", dest="sps_table", default=None)
-    g.add_argument("--speculative-dspark-sps-profile", dest="sps_profile", default=None, choices=SPS_PROFILES,
+    g.add_argument("--speculative-dspark-sps-profile", dest="sps_profile", default=None, choices=choices(SpsProfile),
                    help="without an SPS table, what to profile when none is cached: full, or quick (a coarse "
                         "grid measured in seconds; default for dspark serve, full elsewhere). A cached full "
                         "table is always used first")
     g.add_argument("--speculative-dspark-confidence-sts-path", dest="sts_path", default=None)
-    g.add_argument("--ragged-verify-mode", dest="verify_mode", default=None, choices=VERIFY_MODES,
+    g.add_argument("--ragged-verify-mode", dest="verify_mode", default=None, choices=choices(VerifyMode),
                    help="default: $SGLANG_RAGGED_VERIFY_MODE or compact")
 
 
-def speculative_kwargs(args: argparse.Namespace) -> dict:
-    """LLM(...) keyword arguments from the parsed flags; ValueError for inconsistent ones."""
-    block = args.block_size
+MODEL_FLAGS = {"model": "--model", "dtype": "--dtype", "quantization": "--quantization", "device": "--device"}
+SPECULATIVE_FLAGS = {
+    "speculative_algorithm": "--speculative-algorithm", "draft_model": "--speculative-draft-model-path",
+    "num_speculative_tokens": "--speculative-dspark-block-size / --speculative-num-draft-tokens",
+    "planner": "--speculative-dspark-planner", "threshold": "--speculative-dspark-threshold",
+    "skip_drafting": "--speculative-dspark-no-skip-drafting", "min_gain": "--speculative-dspark-min-gain",
+    "sps_table": "--speculative-dspark-sps-table-path", "sps_profile": "--speculative-dspark-sps-profile",
+    "sts_path": "--speculative-dspark-confidence-sts-path", "verify_mode": "--ragged-verify-mode"}
+
+
+def model_options(args: argparse.Namespace) -> dict:
+    """EngineConfig keywords of add_model_args' flags."""
+    return {key: getattr(args, key) for key in MODEL_FLAGS}
+
+
+def speculative_options(args: argparse.Namespace, sps_profile: str = "full") -> dict:
+    """EngineConfig keywords of add_speculative_args' flags (sps_profile: the command's default).
+    SGLang's --speculative-num-draft-tokens counts the anchor: it is the drafts per round + 1."""
+    drafts = args.block_size
     if args.num_draft_tokens is not None:
-        if block is None:
-            block = args.num_draft_tokens - 1
-        elif args.num_draft_tokens != block + 1:
+        if drafts is None:
+            drafts = args.num_draft_tokens - 1
+        elif args.num_draft_tokens != drafts + 1:
             raise ValueError(f"--speculative-num-draft-tokens ({args.num_draft_tokens}) must equal "
-                             f"--speculative-dspark-block-size + 1 ({block + 1})")
+                             f"--speculative-dspark-block-size + 1 ({drafts + 1})")
     mode = args.verify_mode or os.environ.get("SGLANG_RAGGED_VERIFY_MODE") or "compact"
-    if mode not in VERIFY_MODES:
-        raise ValueError(f"SGLANG_RAGGED_VERIFY_MODE must be one of {', '.join(VERIFY_MODES)}, got {mode!r}")
+    if mode not in choices(VerifyMode):
+        raise ValueError(f"SGLANG_RAGGED_VERIFY_MODE must be one of {', '.join(choices(VerifyMode))}, got {mode!r}")
     return dict(speculative_algorithm=args.speculative_algorithm, draft_model=args.draft_model,
-                num_draft_tokens=block, planner=args.planner, threshold=args.threshold, sps_table=args.sps_table,
-                sts_path=args.sts_path, verify_mode=mode, skip_drafting=args.skip_drafting,
-                min_gain=args.min_gain, sps_profile=args.sps_profile or "full")
+                num_speculative_tokens=drafts, planner=args.planner, threshold=args.threshold,
+                sps_table=args.sps_table, sts_path=args.sts_path, verify_mode=mode, skip_drafting=args.skip_drafting,
+                min_gain=args.min_gain, sps_profile=args.sps_profile or sps_profile)
+
+
+def engine_config(options: dict, flags: dict[str, str] | None = None, check_files: bool = False) -> EngineConfig:
+    """EngineConfig.from_kwargs(**options); a bad value comes back as a ValueError that names its flag
+    (flags: keyword -> flag, beyond the model and speculative ones). check_files: also check that the
+    files the settings name exist (ValueError / FileNotFoundError), before anything loads."""
+    names = {**MODEL_FLAGS, **SPECULATIVE_FLAGS, **(flags or {})}
+    try:
+        config = EngineConfig.from_kwargs(**options)
+        if check_files:
+            from dspark.models.embedded import resolve_model_path
+
+            config.check_files(resolve_model_path(config.target.model))
+        return config
+    except ConfigError as e:
+        if e.key not in names:
+            raise
+        raise ValueError(f"{names[e.key]}: {e}") from None

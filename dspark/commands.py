@@ -5,7 +5,7 @@ import json
 import sys
 import time
 
-from dspark.cli_args import add_model_args, add_speculative_args, speculative_kwargs
+from dspark.cli_args import add_model_args, add_speculative_args, engine_config, model_options, speculative_options
 
 
 def register(sub) -> None:
@@ -61,8 +61,8 @@ def generate(args) -> int:
     from dspark import LLM
 
     params = _sampling(args)
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device, max_num_seqs=1,
-              **speculative_kwargs(args))  # one prompt: the planner's cost table needs no loaded steps
+    # one prompt: the planner's cost table needs no loaded steps
+    llm = LLM(config=engine_config({**model_options(args), **speculative_options(args), "max_num_seqs": 1}))
     prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     start = time.perf_counter()
     shown, out = "", None
@@ -91,7 +91,7 @@ def profile(args) -> int:
 
     from dspark.models.embedded import resolve_model_path
     from dspark.models.loader import load_decoder, resolve_dtype
-    from dspark.speculative.profile import default_seq_counts, default_sizes, profile_sps
+    from dspark.speculative.profile import measure_sps
 
     for flag, value in (("--max-tokens", args.max_tokens), ("--max-seqs", args.max_seqs), ("--window", args.window),
                         ("--repeats", args.repeats)):
@@ -100,8 +100,8 @@ def profile(args) -> int:
     path = resolve_model_path(args.model)
     decoder = load_decoder(path, dtype=resolve_dtype(args.dtype, args.device), device=args.device, pack=True,
                            quantization=args.quantization)
-    table = profile_sps(decoder, default_sizes(args.max_tokens), seq_counts=default_seq_counts(args.max_seqs),
-                        window=args.window, repeats=args.repeats, name=path.name)
+    table = measure_sps(decoder, max_tokens=args.max_tokens, max_seqs=args.max_seqs, window=args.window,
+                        repeats=args.repeats, name=path.name)
     if args.out:
         table.save(args.out)
         print(f"wrote {args.out} ({torch.get_num_threads()} threads)", file=sys.stderr)
@@ -115,12 +115,11 @@ def demo(args) -> int:
     from dspark import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens)
-    spec = speculative_kwargs(args)
+    spec = speculative_options(args)
     runs = []
     for label, kw in (("plain decoding", {}), (spec["speculative_algorithm"], spec)):
         # one request at a time: the planner's cost table needs no loaded steps (a shorter first-run profile)
-        llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device, max_num_seqs=1,
-                  **kw)
+        llm = LLM(config=engine_config({**model_options(args), **kw, "max_num_seqs": 1}))
         conv = [{"role": "user", "content": args.prompt}]
         llm.chat(conv, SamplingParams(max_tokens=8))  # warm-up
         t = time.perf_counter()

@@ -5,55 +5,40 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence as Seq
 
-from dspark.cache import KVCache
+from dspark.config import EngineConfig
 from dspark.engine.llm_engine import LLMEngine
-from dspark.engine.scheduler import SchedulerConfig
 from dspark.models.embedded import resolve_model_path
 from dspark.models.loader import load_decoder, resolve_dtype
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import SamplingParams
-from dspark.speculative.config import SpeculativeConfig
 from dspark.speculative.factory import build_planner, build_proposer
 
 
 class LLM:
     """Load a target model and generate with continuous batching."""
 
-    def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "cpu",
-                 quantization: str = "auto",
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512, kv_cache_mb: int = 1024,
-                 max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 speculative_algorithm: str | None = None, draft_model: str | Path | None = None,
-                 num_draft_tokens: int | None = None, planner: str = "throughput", threshold: float = 0.5,
-                 throughput_variant: str = "lagged", skip_drafting: bool = True, min_gain: float = 0.05,
-                 sps_table: str | Path | None = None,
-                 sts_path: str | Path | None = None, verify_mode: str = "compact", sps_profile: str = "full",
-                 profile_progress: bool = True):
-        torch_dtype = resolve_dtype(dtype, device)
-        if kv_cache_mb <= 0:
-            raise ValueError(f"kv_cache_mb must be positive, got {kv_cache_mb}")
+    def __init__(self, model: str | Path | None = None, *, config: EngineConfig | None = None,
+                 profile_progress: bool = True, **options):
+        """LLM(model, **options) with the keywords of EngineConfig.from_kwargs (dtype, max_num_seqs,
+        speculative_algorithm, ...), or LLM(config=EngineConfig(...)). profile_progress: show the progress
+        bar of a first-time SPS profile."""
+        if config is None:
+            config = EngineConfig.from_kwargs(**({} if model is None else {"model": model}), **options)
+        elif model is not None or options:
+            raise TypeError("pass either config= or the model and its options, not both")
         from transformers import AutoTokenizer
 
-        self.speculative = SpeculativeConfig(
-            algorithm=speculative_algorithm or "NONE", draft_model=None if draft_model is None else str(draft_model),
-            block_size=num_draft_tokens, planner=planner, threshold=threshold,
-            throughput_variant=throughput_variant, skip_drafting=skip_drafting, min_gain=min_gain,
-            sps_table=None if sps_table is None else str(sps_table),
-            sts_path=None if sts_path is None else str(sts_path), verify_mode=verify_mode, sps_profile=sps_profile)
-        self.model_path = resolve_model_path(model)
-        self.decoder = load_decoder(self.model_path, dtype=torch_dtype, device=device, pack=True,
-                                    quantization=quantization)
+        self.config = config
+        self.model_path = resolve_model_path(config.target.model)
+        config.check_files(self.model_path)
+        t = config.target
+        self.decoder = load_decoder(self.model_path, dtype=resolve_dtype(t.dtype, t.device), device=t.device,
+                                    pack=True, quantization=t.quantization)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        c = self.decoder.config
-        per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.decoder.kv_dtype)
-        blocks = num_kv_blocks or max(1, kv_cache_mb * 2**20 // (per_token * block_size))
-        proposer = build_proposer(self.speculative, self.decoder, self.model_path)
-        planner = build_planner(self.speculative, proposer, self.decoder, self.model_path, max_num_seqs,
-                                progress=profile_progress)
-        self.engine = LLMEngine(self.decoder, self.tokenizer, cache_blocks=blocks, block_size=block_size,
-                                scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-                                proposer=proposer, planner=planner, verify_mode=self.speculative.verify_mode,
-                                max_model_len=max_model_len)
+        proposer = build_proposer(config.speculative, self.decoder, self.model_path)
+        planner = build_planner(config.speculative, proposer, self.decoder, self.model_path,
+                                config.scheduler.max_num_seqs, progress=profile_progress)
+        self.engine = LLMEngine(self.decoder, self.tokenizer, config, proposer=proposer, planner=planner)
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -181,9 +181,10 @@ def test_race_cli(tiny_llama_dir, tmp_path, capsys):
 
 def test_roofline_and_calibration(tiny_llama_dir, tmp_path):
     # context 8: profile_sps needs context + size to fit the context's last KV block (see the lead's notes)
-    roof = run_roofline(str(tiny_llama_dir), max_tokens=3, repeats=1, bandwidth_mb=8, context=8,
-                        save_sps=str(tmp_path / "sps.json"), progress=False)
-    assert SPSTable.load(tmp_path / "sps.json").points.keys() == {1, 2, 3}
+    roof = run_roofline(str(tiny_llama_dir), max_tokens=3, repeats=1, bandwidth_mb=8, context=8, max_seqs=2,
+                        window=2, save_sps=str(tmp_path / "sps.json"), progress=False)
+    table = SPSTable.load(tmp_path / "sps.json")  # the planner's table: loaded steps of 2 sequences too
+    assert table.points.keys() == {1, 2, 3} and set(table.points_by_seqs) == {2} and table.points_by_seqs[2]
     assert roof["bandwidth_gb_s"] > 0 and roof["weight_bytes"] > 0 and set(roof["sps"]) == {"1", "2", "3"}
     cell = {"label": "ar", "dataset": "d", "temperature": 0.0, "concurrency": 1, "tokens_per_s": {"median": 5.0}}
     assert method_fractions(roof, [cell])[0]["fraction"] == pytest.approx(5.0 / roof["ceiling_tokens_per_s"])

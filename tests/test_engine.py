@@ -57,7 +57,7 @@ def test_requests_join_and_leave_at_different_steps(tiny_llm):
 def test_preemption_keeps_outputs(tiny_llama_dir):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     roomy = LLM(tiny_llama_dir, kv_cache_mb=4)
-    cramped = LLM(tiny_llama_dir, num_kv_blocks=24, block_size=4)  # 96 tokens for 8 requests of ~50
+    cramped = LLM(tiny_llama_dir, max_total_tokens=96, kv_block_size=4)  # 96 tokens for 8 requests of ~50
     prompts = PROMPTS * 2
     want = [o.token_ids for o in roomy.generate(prompts, params)]
     got = [o.token_ids for o in cramped.generate(prompts, params)]

@@ -21,7 +21,7 @@ import torch
 from dspark.drafters import DrafterConfig, DSparkDrafter
 from dspark.engine import llm_engine
 from dspark.engine.llm_engine import LLMEngine
-from dspark.engine.scheduler import SchedulerConfig
+from dspark.config import CacheConfig, EngineConfig, SchedulerConfig
 from dspark.models.loader import load_decoder
 from dspark.sampling import rejection
 from dspark.sampling.rejection import Acceptance
@@ -199,9 +199,9 @@ def generate(decoder, proposer=None, planner=None, *, top_k: int = -1, seed0: in
     i has seed seed0 + i (keyed draws); otherwise no request has a seed (rejection sampling, with the global
     generator seeded by seed0)."""
     torch.manual_seed(seed0)
-    engine = LLMEngine(decoder, StubTokenizer(), cache_blocks=2 * BATCH + 8, proposer=proposer, planner=planner,
-                       scheduler_config=SchedulerConfig(max_num_seqs=BATCH,
-                                                        max_num_batched_tokens=len(PROMPT) * BATCH))
+    config = EngineConfig(cache=CacheConfig(max_total_tokens=16 * (2 * BATCH + 8)),
+                          scheduler=SchedulerConfig(max_num_seqs=BATCH, max_num_batched_tokens=len(PROMPT) * BATCH))
+    engine = LLMEngine(decoder, StubTokenizer(), config, proposer=proposer, planner=planner)
     for i in range(NUM_SAMPLES):
         engine.add_request(PROMPT, SamplingParams(temperature=TEMPERATURE, top_k=top_k, max_tokens=LENGTH,
                                                   seed=seed0 + i if keyed else None, ignore_eos=True))

@@ -19,8 +19,8 @@ def no_model_loading(monkeypatch):
     """A flag combination that slips through validation would load the model: fail loudly instead."""
     import dspark.server.cli as server_cli
 
-    def refuse(kwargs):
-        raise AssertionError(f"flags passed validation: {kwargs}")
+    def refuse(config):
+        raise AssertionError(f"flags passed validation: {config}")
 
     monkeypatch.setattr(server_cli, "load_llm", refuse)
 
@@ -39,14 +39,15 @@ def _cases(tiny: str, files) -> list[tuple[list[str], str]]:
           "--speculative-num-draft-tokens", "5"], "must equal --speculative-dspark-block-size + 1 (4)"),
         (["--speculative-algorithm", "NONE", "--speculative-draft-model-path", empty], "only used by DSPARK"),
         (["--speculative-algorithm", "NGRAM", "--speculative-draft-model-path", empty], "only used by DSPARK"),
-        (["--speculative-algorithm", "NONE", "--speculative-num-draft-tokens", "4"], "need --speculative-algorithm"),
+        (["--speculative-algorithm", "NONE", "--speculative-num-draft-tokens", "4"], "needs speculative_algorithm NGRAM"),
         (["--speculative-algorithm", "NGRAM", "--speculative-dspark-sps-table-path", sps], "only used with"),
         (["--speculative-algorithm", "DFLASH", "--speculative-dspark-confidence-sts-path", sps], "only used with"),
         (["--speculative-algorithm", "DSPARK", "--speculative-dspark-planner", "fixed",
           "--speculative-dspark-sps-table-path", sps], "only read by the throughput planner"),
-        (["--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size", "100"], "block_size"),
+        (["--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size", "100"],
+         "--speculative-dspark-block-size / --speculative-num-draft-tokens: num_speculative_tokens"),
         (["--speculative-algorithm", "DSPARK", "--speculative-dspark-min-gain", "1.5"], "min_gain must be"),
-        (["--model", tiny, "--speculative-algorithm", "DSPARK"], "needs --speculative-draft-model-path"),
+        (["--model", tiny, "--speculative-algorithm", "DSPARK"], "--speculative-draft-model-path: DSPARK on"),
         (["--model", tiny, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", empty],
          "not a drafter directory"),
         (["--model", tiny, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", tiny,
@@ -54,11 +55,11 @@ def _cases(tiny: str, files) -> list[tuple[list[str], str]]:
         (["--model", str(files / "nope")], "not a local directory"),
         (["--model", empty], "config.json"),
         (["--model", tiny, "--port", "70000"], "--port must be in [0, 65535]"),
-        (["--model", tiny, "--max-running-requests", "0"], "--max-running-requests must be >= 1"),
+        (["--model", tiny, "--max-running-requests", "0"], "--max-running-requests: max_num_seqs must be an integer >= 1"),
         (["--model", tiny, "--max-queued-requests", "-1"], "--max-queued-requests must be >= 0"),
         (["--model", tiny, "--api-key", " "], "--api-key must not be empty"),
         (["--model", tiny, "--read-timeout", "0"], "--read-timeout must be > 0 seconds"),
-        (["--model", tiny, "--context-length", "1"], "--context-length must be >= 2"),
+        (["--model", tiny, "--context-length", "1"], "--context-length: max_model_len must be an integer >= 2"),
     ]
 
 
@@ -85,12 +86,12 @@ def test_serve_profiles_quick_unless_told(tiny_llama_dir, monkeypatch):
     import dspark.server.cli as server_cli
     from dspark.cli import build_parser
 
-    def kwargs(*flags):
+    def config(*flags):
         args = build_parser().parse_args(["serve", "--model", str(tiny_llama_dir), *flags])
-        return server_cli.llm_kwargs(args)
+        return server_cli.engine_config_from_flags(args)
 
-    assert kwargs()["sps_profile"] == "quick"
-    assert kwargs("--speculative-dspark-sps-profile", "full")["sps_profile"] == "full"
+    assert config().speculative.sps_profile == "quick"
+    assert config("--speculative-dspark-sps-profile", "full").speculative.sps_profile == "full"
 
 
 def test_taken_port_fails_before_loading(tiny_llama_dir, capsys, no_model_loading):

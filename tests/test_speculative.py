@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
+from dspark.config import EngineConfig
 from dspark.drafters import DrafterConfig, DSparkDrafter
 from dspark.models.loader import load_decoder
 from dspark.speculative.cost_table import SPSTable
@@ -56,7 +57,7 @@ def plain(tiny_llama_dir):
 
 CASES = [
     dict(speculative_algorithm="NGRAM"),
-    dict(speculative_algorithm="NGRAM", num_draft_tokens=2),
+    dict(speculative_algorithm="NGRAM", num_speculative_tokens=2),
     dict(speculative_algorithm="DFLASH"),
     dict(speculative_algorithm="DSPARK", planner="fixed"),
     dict(speculative_algorithm="DSPARK", planner="threshold", threshold=0.5),
@@ -73,7 +74,8 @@ def test_greedy_is_lossless(case, tiny_llama_dir, drafters, sps_file, plain):
     algo = kw["speculative_algorithm"]
     if algo in drafters:
         kw["draft_model"] = drafters[algo]
-        kw["sps_table"] = sps_file
+    if EngineConfig.from_kwargs(**kw).speculative.plans_throughput:
+        kw["sps_table"] = sps_file  # read only by the throughput planner
     llm = LLM(tiny_llama_dir, kv_cache_mb=8, **kw)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain
@@ -127,7 +129,15 @@ def test_seeded_sampling_reproducible(tiny_llama_dir, drafters, sps_file):
     (dict(speculative_algorithm="EAGLE"), "speculative_algorithm"),
     (dict(speculative_algorithm="DSPARK", planner="magic"), "planner"),
     (dict(speculative_algorithm="DSPARK", verify_mode="loose"), "verify_mode"),
-    (dict(speculative_algorithm="NGRAM", num_draft_tokens=0), "block_size"),
+    (dict(speculative_algorithm="NGRAM", num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(speculative_algorithm="NONE", num_speculative_tokens=3), "needs speculative_algorithm"),
+    (dict(speculative_algorithm="NGRAM", sps_table="t.json"), "only used with speculative_algorithm DSPARK"),
+    (dict(speculative_algorithm="DSPARK", planner="fixed", sps_table="t.json"), "only read by the throughput"),
+    (dict(speculative_algorithm="DSPARK", throughput_variant="eager"), "throughput_variant"),
+    (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
+    (dict(kv_block_size=16, max_total_tokens=8), "max_total_tokens must be an integer >= 16"),
+    (dict(dtype="float8"), "dtype must be one of"),
+    (dict(block_size=4), "unknown engine option 'block_size'"),
     (dict(speculative_algorithm="NGRAM", draft_model="x"), "draft_model"),
 ])
 def test_bad_speculative_options(tiny_llama_dir, kw, match):
@@ -150,7 +160,7 @@ def test_drafter_mismatch_and_missing(tiny_llama_dir, drafters, tmp_path):
     with pytest.raises(ValueError, match="trained for a 30-layer target"):
         LLM(tiny_llama_dir, speculative_algorithm="DSPARK", draft_model=tmp_path / "wrong", planner="fixed")
     with pytest.raises(ValueError, match="exceeds"):
-        LLM(tiny_llama_dir, speculative_algorithm="DSPARK", draft_model=drafters["DSPARK"], num_draft_tokens=9,
+        LLM(tiny_llama_dir, speculative_algorithm="DSPARK", draft_model=drafters["DSPARK"], num_speculative_tokens=9,
             planner="fixed")
 
 

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from dspark.cli_args import add_model_args, add_speculative_args, speculative_kwargs
-from dspark.speculative.config import VERIFY_MODES
+from dspark.cli_args import add_model_args, add_speculative_args, engine_config, speculative_options
+from dspark.speculative.config import VerifyMode, choices
 
 # --quick: a smoke run of a minute or two: plain decoding against DSpark's default planner only
 QUICK = {"num_prompts": 2, "max_tokens": 32, "repeats": 1, "methods": "ar,dspark-throughput"}
@@ -52,7 +52,9 @@ def register(sub) -> None:
 
     o.add_argument("--methods", default=None,
                    help="comma list of ar, ngram, dflash, dspark (= dspark-fixed, -threshold, -throughput), "
-                        f"hf, hf-pld, llama.cpp (default: {DEFAULT_METHODS}; with --quick: {QUICK['methods']})")
+                        "hf, hf-pld, llama.cpp (llama-cpp-python), llama.cpp-server, llama.cpp-dspark, "
+                        "llama.cpp-dspark-pmin (llama-server from `make llamacpp`) "
+                        f"(default: {DEFAULT_METHODS}; with --quick: {QUICK['methods']})")
     o.add_argument("--max-tokens", type=int, default=None, help="new tokens per prompt (default 256)")
     o.add_argument("--temperature", type=_floats, default=[0.0], help="comma list (default 0: greedy)")
     o.add_argument("--block-size", type=_ints, default=None, help="comma list of drafts per round (default: each "
@@ -67,8 +69,10 @@ def register(sub) -> None:
     o.add_argument("--sps-table", default=None, help="SPS JSON for the throughput planner (default: profile once)")
     o.add_argument("--sts-path", default=None, help="STS JSON for DSpark (default: the drafter's)")
     o.add_argument("--threshold", type=float, default=0.5, help="for dspark-threshold")
-    o.add_argument("--verify-mode", default="compact", choices=VERIFY_MODES)
+    o.add_argument("--verify-mode", default="compact", choices=choices(VerifyMode))
     o.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the embedded model's)")
+    o.add_argument("--llama-p-min", type=float, default=None,
+                   help="llama.cpp-dspark-pmin's --spec-draft-p-min (default 0.5)")
     _common(o)
     o.set_defaults(func=offline)
 
@@ -106,7 +110,10 @@ def register(sub) -> None:
     f.add_argument("--sps-table", default=None, help="read the SPS curve from this JSON instead of measuring it")
     f.add_argument("--max-tokens", type=int, default=64, help="largest verify batch to profile")
     f.add_argument("--repeats", type=int, default=5)
-    f.add_argument("--context", type=int, default=128, help="cached tokens under each profiled verify batch")
+    f.add_argument("--context", type=int, default=256, help="cached tokens under each profiled verify batch")
+    f.add_argument("--max-seqs", type=int, default=1,
+                   help="also profile loaded steps of 2..N sequences (the planner prices batches with them)")
+    f.add_argument("--window", type=int, default=8, help="widest verify window of a loaded step (gamma + 1)")
     f.add_argument("--save-sps", default=None, help="also write the SPS table here (for --sps-table)")
     f.add_argument("--sts-path", default=None, help="STS JSON with ECE data: adds the calibration figure")
     _common(f)
@@ -157,7 +164,8 @@ def offline(args) -> int:
     setup = Setup(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
                   dspark_draft=args.dspark_draft_model,
                   dflash_draft=args.dflash_draft_model, sps_table=args.sps_table, sts_path=args.sts_path,
-                  threshold=args.threshold, verify_mode=args.verify_mode, gguf=args.gguf)
+                  threshold=args.threshold, verify_mode=args.verify_mode, gguf=args.gguf,
+                  llama_p_min=args.llama_p_min)
     result = run_offline(datasets, cfg, setup)
     _finish(args.out, "offline", result, args.sts_path or _shipped_sts(args.dspark_draft_model))
     _print_offline(result)
@@ -165,13 +173,15 @@ def offline(args) -> int:
 
 
 def _print_offline(result: dict) -> None:
-    print(f"{'dataset':<12}{'method':<20}{'conc':>5}{'T':>5}{'tokens/s':>10}{'speedup':>9}{'tau':>7}  matches ar")
+    print(f"{'dataset':<12}{'method':<22}{'conc':>5}{'T':>5}{'tokens/s':>10}{'speedup':>9}{'tau':>7}{'acc':>7}"
+          "  matches ar")
     for c in result["cells"]:
         sp = f"{c['speedup']:.2f}x" if c["speedup"] else "-"
         tau = f"{c['tau']:.2f}" if c["tau"] else "-"
+        acc = f"{c['draft_acceptance']:.3f}" if c.get("draft_acceptance") is not None else "-"
         match = {None: "n/a", True: "yes", False: "NO"}[c["matches_ar"]]
-        print(f"{c['dataset']:<12}{c['label']:<20}{c['concurrency']:>5}{c['temperature']:>5g}"
-              f"{c['tokens_per_s']['median']:>10.1f}{sp:>9}{tau:>7}  {match}")
+        print(f"{c['dataset']:<12}{c['label']:<22}{c['concurrency']:>5}{c['temperature']:>5g}"
+              f"{c['tokens_per_s']['median']:>10.1f}{sp:>9}{tau:>7}{acc:>7}  {match}")
 
 
 def serve(args) -> int:
@@ -215,7 +225,8 @@ def race(args) -> int:
         named += [(f"{d.name}#{i}", p) for d in load_datasets(args.dataset, n) for i, p in enumerate(d.prompts)]
     if not named:
         raise ValueError("give prompts with --dataset PATH or --prompt TEXT")
-    spec = speculative_kwargs(args)
+    spec = speculative_options(args)
+    engine_config(spec)  # its checks, with the flags named, before any model loads
     label = spec["speculative_algorithm"].lower() + (f"-{spec['planner']}" if spec["speculative_algorithm"] == "DSPARK" else "")
     setup = Setup(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
                   kv_cache_mb=256)
@@ -234,11 +245,15 @@ def race(args) -> int:
 def roofline(args) -> int:
     from dspark.bench.roofline import run_roofline
 
+    for flag, value in (("--max-tokens", args.max_tokens), ("--max-seqs", args.max_seqs), ("--window", args.window),
+                        ("--repeats", args.repeats), ("--context", args.context)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     result = run_roofline(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
                           sps_table=args.sps_table,
                           max_tokens=16 if args.quick else args.max_tokens, repeats=2 if args.quick else args.repeats,
                           bandwidth_mb=128 if args.quick else 256, save_sps=args.save_sps, context=args.context,
-                          progress=not args.no_progress)
+                          max_seqs=args.max_seqs, window=args.window, progress=not args.no_progress)
     _finish(args.out, "roofline", result, args.sts_path)
     print(f"read bandwidth {result['bandwidth_gb_s']:.1f} GB/s, weights {result['weight_bytes'] / 1e6:.0f} MB, "
           f"plain-decode ceiling {result['ceiling_tokens_per_s']:.1f} tokens/s")

@@ -13,9 +13,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark.bench.llama_server import LLAMA_SERVER_METHODS
 from dspark.sampling_params import SamplingParams
 
-ENGINE_METHODS = {  # name -> LLM keyword arguments
+ENGINE_METHODS = {  # name -> EngineConfig keywords
     "ar": dict(speculative_algorithm="NONE"),
     "ngram": dict(speculative_algorithm="NGRAM"),
     "dflash": dict(speculative_algorithm="DFLASH"),
@@ -23,10 +24,11 @@ ENGINE_METHODS = {  # name -> LLM keyword arguments
     "dspark-threshold": dict(speculative_algorithm="DSPARK", planner="threshold"),
     "dspark-throughput": dict(speculative_algorithm="DSPARK", planner="throughput"),
 }
-REFERENCE_METHODS = ("hf", "hf-pld", "llama.cpp")
+REFERENCE_METHODS = ("hf", "hf-pld", "llama.cpp", *LLAMA_SERVER_METHODS)
 ALIASES = {"dspark": ("dspark-fixed", "dspark-threshold", "dspark-throughput"), "plain": ("ar",)}
 DEFAULT_METHODS = "ar,ngram,dflash,dspark,hf,hf-pld,llama.cpp"
-DRAFTING = {"ngram", "dflash", "dspark-fixed", "dspark-threshold", "dspark-throughput", "hf-pld"}
+DRAFTING = {"ngram", "dflash", "dspark-fixed", "dspark-threshold", "dspark-throughput", "hf-pld",
+            "llama.cpp-dspark", "llama.cpp-dspark-pmin"}
 
 
 def expand_methods(spec: str) -> list[str]:
@@ -59,6 +61,8 @@ class Completion:
     windows: list[int] | None = None  # drafts verified per round (engine only)
     ttft: float | None = None  # seconds from submission to the first token
     tpot: float | None = None  # seconds per output token after the first
+    drafted: int | None = None  # drafts verified (methods that report them without per-round data)
+    accepted: int | None = None  # ... and accepted
 
 
 @dataclass
@@ -68,6 +72,7 @@ class BatchRun:
     completions: list[Completion]
     seconds: float
     split: dict[str, float] = field(default_factory=dict)  # draft / plan / verify seconds (engine only)
+    verify_steps: int | None = None  # verification rounds, for methods without per-round data (llama-server)
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class Setup:
     max_num_seqs: int = 1
     kv_cache_mb: int = 256
     gguf: str | None = None
+    llama_p_min: float | None = None  # llama.cpp-dspark-pmin's --spec-draft-p-min (default 0.5)
 
 
 class EngineMethod:
@@ -100,10 +106,11 @@ class EngineMethod:
             kw.setdefault("draft_model", setup.dspark_draft if algo == "DSPARK" else setup.dflash_draft)
             kw.setdefault("sts_path", setup.sts_path if algo == "DSPARK" else None)
         if algo == "DSPARK":
-            kw.setdefault("sps_table", setup.sps_table)
+            if kw.get("planner", "throughput") == "throughput" and setup.verify_mode != "static":
+                kw.setdefault("sps_table", setup.sps_table)  # only the throughput planner reads it
             kw.setdefault("threshold", setup.threshold)
         if algo != "NONE":
-            kw.setdefault("num_draft_tokens", block_size)
+            kw.setdefault("num_speculative_tokens", block_size)
             kw.setdefault("verify_mode", setup.verify_mode)
         from dspark import LLM
 
@@ -199,17 +206,9 @@ class LlamaCppMethod:
         import llama_cpp
         import torch
 
-        from dspark.models.embedded import find_gguf
-
-        if setup.gguf:
-            gguf = Path(setup.gguf)
-        elif setup.model in (None, "", "embedded"):
-            gguf = find_gguf()
-        else:
-            raise ValueError("llama.cpp needs --gguf PATH for a model other than the embedded one")
         self.name = name
-        self.llama = llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_threads=torch.get_num_threads(),
-                                     verbose=False)
+        self.llama = llama_cpp.Llama(model_path=str(target_gguf(setup)), n_ctx=4096,
+                                     n_threads=torch.get_num_threads(), verbose=False)
         self.eos = self.llama.token_eos()
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams], concurrency: int = 1) -> BatchRun:
@@ -233,8 +232,19 @@ class LlamaCppMethod:
         return BatchRun(comps, time.perf_counter() - t0)
 
 
+def target_gguf(setup: Setup) -> Path:
+    """The target as a GGUF for llama.cpp: --gguf, else the embedded model's own."""
+    from dspark.models.embedded import find_gguf
+
+    if setup.gguf:
+        return Path(setup.gguf)
+    if setup.model in (None, "", "embedded"):
+        return find_gguf()
+    raise ValueError("llama.cpp needs --gguf PATH for a model other than the embedded one")
+
+
 def build_method(name: str, setup: Setup, block_size: int | None = None):
-    """An EngineMethod, HFMethod or LlamaCppMethod by name."""
+    """An EngineMethod, HFMethod, LlamaCppMethod or LlamaServerMethod by name."""
     if name in ENGINE_METHODS:
         return EngineMethod(name, setup, block_size)
     if name in ("hf", "hf-pld"):
@@ -243,6 +253,10 @@ def build_method(name: str, setup: Setup, block_size: int | None = None):
         if not llama_cpp_available():
             raise ModuleNotFoundError("llama-cpp-python is not installed")
         return LlamaCppMethod(name, setup, block_size)
+    if name in LLAMA_SERVER_METHODS:
+        from dspark.bench.llama_server import LlamaServerMethod
+
+        return LlamaServerMethod(name, setup, block_size)
     raise ValueError(f"unknown method {name!r}")
 
 

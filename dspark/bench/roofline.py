@@ -59,13 +59,14 @@ def ceiling_tokens_per_s(bandwidth_gbs: float, nbytes: int) -> float:
 
 def run_roofline(model: str | None = None, *, dtype: str = "auto", quantization: str = "auto", device: str = "cpu",
                  sps_table: str | None = None, max_tokens: int = 64, repeats: int = 5,
-                 bandwidth_mb: int = 256, context: int = 128, save_sps: str | None = None,
-                 progress: bool = True) -> dict:
-    """Measure bandwidth, weight bytes and the SPS curve (or read it from `sps_table`): the 'roofline' section.
-    save_sps: also write the table where the throughput planner (--sps-table) can read it."""
+                 bandwidth_mb: int = 256, context: int = 256, max_seqs: int = 1, window: int = 8,
+                 save_sps: str | None = None, progress: bool = True) -> dict:
+    """Measure bandwidth, weight bytes and the SPS table (or read it from `sps_table`): the 'roofline'
+    section. The table is the planner's (speculative/profile.py: measure_sps), loaded steps of up to
+    max_seqs sequences included; save_sps: also write it where the throughput planner (--sps-table) reads it."""
     from dspark.models.embedded import resolve_model_path
     from dspark.models.loader import load_decoder, resolve_dtype
-    from dspark.speculative.profile import default_sizes, profile_sps
+    from dspark.speculative.profile import measure_sps
 
     path = resolve_model_path(model)
     decoder = load_decoder(path, dtype=resolve_dtype(dtype, device), device=device, pack=True,
@@ -75,8 +76,8 @@ def run_roofline(model: str | None = None, *, dtype: str = "auto", quantization:
     if sps_table:
         table, source = SPSTable.load(sps_table), str(sps_table)
     else:
-        table = profile_sps(decoder, default_sizes(max_tokens), context=context, repeats=repeats, progress=progress,
-                            name=path.name)
+        table = measure_sps(decoder, max_tokens=max_tokens, max_seqs=max_seqs, window=window, repeats=repeats,
+                            context=context, progress=progress, name=path.name)
         source = "measured"
     if save_sps:
         table.save(save_sps)

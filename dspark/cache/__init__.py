@@ -1,3 +1,4 @@
-from dspark.cache.kv_cache import AttentionGroup, AttentionMetadata, CacheFullError, KVCache
+from dspark.cache.kv_cache import (DEFAULT_BLOCK_SIZE, AttentionGroup, AttentionMetadata, CacheFullError, KVCache,
+                                   blocks_for)
 
-__all__ = ["AttentionGroup", "AttentionMetadata", "CacheFullError", "KVCache"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "AttentionGroup", "AttentionMetadata", "CacheFullError", "KVCache", "blocks_for"]

@@ -46,13 +46,21 @@ class AttentionMetadata:
     groups: tuple[AttentionGroup, ...]
 
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV page (EngineConfig.cache.kv_block_size)
+
+
+def blocks_for(tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Pages that hold `tokens` tokens."""
+    return -(-tokens // block_size)
+
+
 class KVCache:
     """Per-layer pools of keys and values side by side: kv[layer] is [num_blocks * block_size,
     2 * kv_heads, head_dim], keys in the first kv_heads, values in the rest (so a layer writes and
     gathers both with one call); `k` and `v` are views of the two halves."""
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  kv_align: int = 1):
         """kv_align: pad the key axis of every batch to a multiple of it (masked keys); the
         window-invariant attention (models/attention.py) needs the same padding in every call."""

@@ -133,6 +133,19 @@ def fold_sts_offset(tensors: dict[str, torch.Tensor], offset: float, source: Pat
     return {**tensors, CONF_BIAS: tensors[CONF_BIAS] + offset}
 
 
+def refold_sts_offset(drafter: "DSparkDrafter", path: Path) -> None:
+    """Replace the logit offset folded in at load (from the drafter's own sts.json) by the one of another
+    STS file, in place: the confidence head's bias moves by the difference."""
+    offset = read_sts_offset(path)
+    if offset == drafter.sts_offset:
+        return
+    if drafter.confidence_head is None:
+        raise ValueError(f"{path}: a logit_offset needs a drafter with a confidence head")
+    with torch.no_grad():
+        drafter.confidence_head.proj.bias += offset - drafter.sts_offset
+    drafter.sts_offset = offset
+
+
 def read_survival_prior(path: Path) -> list[float] | None:
     """The per-position prefix survival rates measured at calibration (sts.json "survival_rate"),
     up to the first position without samples; None if absent. The throughput planner's prior."""

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from dspark.cache import KVCache
+from dspark.config import EngineConfig
 from dspark.engine.detokenizer import final_text
 from dspark.engine.model_runner import ModelRunner, Window
-from dspark.engine.scheduler import Scheduler, SchedulerConfig
+from dspark.engine.scheduler import Scheduler
 from dspark.engine.sequence import Sequence, Status
 from dspark.engine.stop import commit_tokens
 from dspark.models.decoder import Decoder
@@ -25,6 +26,7 @@ from dspark.sampling.keyed import accept_keyed, couple_drafts, sample_keyed
 from dspark.sampling.rejection import Acceptance, accept_greedy, accept_sampled
 from dspark.sampling.sampler import sample, warp_probs
 from dspark.sampling_params import SamplingParams
+from dspark.speculative.config import VerifyMode
 from dspark.speculative.planners import FixedPlanner
 from dspark.speculative.proposer import NoProposer, Proposal, Proposer
 
@@ -46,26 +48,29 @@ class EngineStats:
     time_draft: float = 0.0
     time_plan: float = 0.0
     time_verify: float = 0.0
-    ceiling_accepted: int = 0  # cap-accept, greedy requests: drafts the full window would have kept
     skipped_drafting: int = 0  # steps whose decodes ran without drafting (the planner's call)
 
 
 class LLMEngine:
     """Owns the model, cache, scheduler and proposer; callers add requests and call step()."""
 
-    def __init__(self, model: Decoder, tokenizer, *, cache_blocks: int, block_size: int = 16,
-                 scheduler_config: SchedulerConfig | None = None, proposer: Proposer | None = None,
-                 planner=None, verify_mode: str = "compact", max_model_len: int | None = None):
+    def __init__(self, model: Decoder, tokenizer, config: EngineConfig | None = None, *,
+                 proposer: Proposer | None = None, planner=None):
+        """config: the settings (default EngineConfig()); its target part says how `model` was loaded.
+        proposer / planner: built from config.speculative (speculative/factory.py); none = plain decoding
+        and, with drafts, verify every one."""
+        self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
-        self.cache: KVCache = model.new_cache(cache_blocks, block_size)
+        per_token = KVCache.bytes_per_token(model.config.num_layers, model.config.num_kv_heads,
+                                            model.config.head_dim, model.kv_dtype)
+        self.cache: KVCache = model.new_cache(config.cache.num_blocks(per_token), config.cache.kv_block_size)
         self.proposer: Proposer = proposer or NoProposer()
-        self.planner = planner or FixedPlanner()  # no planner: verify every draft
-        self.verify_mode = verify_mode  # static: verify every draft; compact: the planned windows;
-        # cap-accept: verify every draft but commit only the planned window (the acceptance ceiling)
-        self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.cache)
+        self.planner = planner or FixedPlanner()
+        self.verify_mode = config.speculative.verify_mode
+        self.scheduler = Scheduler(config.scheduler, self.cache)
         self.runner = ModelRunner(model, self.cache, self.proposer.hidden_layers)
-        self.max_model_len = min(max_model_len or model.config.max_position_embeddings,
+        self.max_model_len = min(config.target.max_model_len or model.config.max_position_embeddings,
                                  model.config.max_position_embeddings)
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -139,7 +144,8 @@ class LLMEngine:
         return [self._isolated_output(s) for s in changed]
 
     def _run(self, prefills: list[tuple[Sequence, int]], decodes: list[Sequence]) -> list[Sequence]:
-        """Propose, plan and verify these requests in one forward, then commit each one's tokens."""
+        """One step's phases: propose drafts, plan each request's window, verify every window (and the
+        prefill chunks) in one ragged forward, then accept and commit request by request."""
         t0 = time.perf_counter()
         prefill_tokens = sum(n for _, n in prefills)  # they share this round's verify pass
         context = sum(s.num_cached for s in decodes)  # the decodes' cached tokens: the planner prices it
@@ -147,13 +153,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         lengths = self._plan(decodes, proposal, prefill_tokens, context)
         t2 = time.perf_counter()
-        windows = [Window(s.request_id, s.tokens[s.num_cached : s.num_cached + n], s.num_cached,
-                          "last" if not s.output_token_ids and s.num_cached + n == s.prefill_target else "none")
-                   for s, n in prefills]
-        full = self.verify_mode == "cap-accept"
-        windows += [Window(s.request_id, [s.last_token] + proposal.tokens[i][: None if full else lengths[i]],
-                           s.num_cached, "all") for i, s in enumerate(decodes)]
-        result = self.runner.run(windows)
+        result = self.runner.run(self._windows(prefills, decodes, proposal, lengths))
         t3 = time.perf_counter()
         changed = []
         for i, (seq, n) in enumerate(prefills):
@@ -167,6 +167,17 @@ class LLMEngine:
         st.time_plan += t2 - t1
         st.time_verify += t3 - t2
         return changed
+
+    def _windows(self, prefills: list[tuple[Sequence, int]], decodes: list[Sequence], proposal: Proposal,
+                 lengths: list[int]) -> list[Window]:
+        """The forward's rows: each prefill chunk (logits only where its prompt ends), then each decode's
+        last token + its planned drafts (all of them in cap-accept mode), logits on every row."""
+        windows = [Window(s.request_id, s.tokens[s.num_cached : s.num_cached + n], s.num_cached,
+                          "last" if not s.output_token_ids and s.num_cached + n == s.prefill_target else "none")
+                   for s, n in prefills]
+        full = self.verify_mode == VerifyMode.CAP_ACCEPT
+        return windows + [Window(s.request_id, [s.last_token] + proposal.tokens[i][: None if full else lengths[i]],
+                                 s.num_cached, "all") for i, s in enumerate(decodes)]
 
     def _run_alone(self, prefills: list[tuple[Sequence, int]], decodes: list[Sequence],
                    error: Exception) -> list[Sequence]:
@@ -218,7 +229,7 @@ class LLMEngine:
         if not seqs or self.proposer.max_drafts == 0:
             return self.proposer.propose(seqs)
         ids = [s.request_id for s in seqs]
-        if self.verify_mode != "static" and not self.planner.should_draft(ids, prefill_tokens, context):
+        if self.verify_mode != VerifyMode.STATIC and not self.planner.should_draft(ids, prefill_tokens, context):
             self.stats.skipped_drafting += 1
             return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs), confidences=None)
         return self.proposer.propose(seqs)
@@ -235,7 +246,7 @@ class LLMEngine:
 
     def _plan(self, seqs: list[Sequence], proposal: Proposal, prefill_tokens: int, context: int) -> list[int]:
         n = [len(t) for t in proposal.tokens]
-        if not seqs or self.verify_mode == "static" or not any(n):
+        if not seqs or self.verify_mode == VerifyMode.STATIC or not any(n):
             return n
         lengths = self.planner.plan([s.request_id for s in seqs], proposal.confidences or [[1.0] * k for k in n],
                                     prefill_tokens, context)
@@ -255,8 +266,6 @@ class LLMEngine:
 
     def _after_verify(self, seq: Sequence, proposal: Proposal, i: int, l: int, logits, hidden) -> list[Sequence]:
         drafts = proposal.tokens[i][:l]
-        if self.verify_mode == "cap-accept" and seq.params.greedy:
-            self.stats.ceiling_accepted += accept_greedy(proposal.tokens[i], logits).num_accepted
         acc = self._accept(seq, drafts, proposal.probs[i], logits[: l + 1])
         start = seq.num_cached
         committed = self._commit(seq, acc.tokens)

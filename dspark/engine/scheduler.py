@@ -6,21 +6,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from dspark.cache import KVCache
+from dspark.config import SchedulerConfig
 from dspark.engine.sequence import Sequence, Status
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Batch limits."""
-
-    max_num_seqs: int = 32  # running requests
-    max_num_batched_tokens: int = 512  # prefill tokens per step (chunked prefill)
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
 
 
 @dataclass(frozen=True)

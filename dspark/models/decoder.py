@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dspark.cache import AttentionGroup, AttentionMetadata, KVCache
+from dspark.cache import DEFAULT_BLOCK_SIZE, AttentionGroup, AttentionMetadata, KVCache
 from dspark.models.attention import KV_ALIGN, invariant_attention, sdpa_attention
 from dspark.models.config import ModelConfig
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
@@ -143,7 +143,7 @@ class Decoder(nn.Module):
                          sin.new_zeros(()).expand(shape(c.num_kv_heads))], dim=1)
         return cos, sin
 
-    def new_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
+    def new_cache(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
         c = self.config
         return KVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                        num_blocks=num_blocks, block_size=block_size, dtype=self.kv_dtype, device=self.device,

@@ -43,7 +43,7 @@ class OpenAIServer:
         self.prompts = PromptEncoder(llm.tokenizer, vocab_size=self.engine.model.config.vocab_size,
                                      model_name=self.model_name, max_pending=self.loop.capacity)
         self.served = (self.model_name, str(llm.model_path))
-        self.algorithm = llm.speculative.algorithm
+        self.algorithm = llm.config.speculative.algorithm
         self.created = int(time.time())
 
     # --- validation ------------------------------------------------------------------------------

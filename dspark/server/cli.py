@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from pathlib import Path
 
-from dspark.cli_args import add_model_args, add_speculative_args, speculative_kwargs
+from dspark.cli_args import add_model_args, add_speculative_args, model_options, speculative_options
 
 log = logging.getLogger("dspark.server")
 
@@ -53,41 +52,31 @@ def serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_queued_requests=args.max_queued_requests,
                           max_request_bytes=args.max_request_bytes, read_timeout_s=args.read_timeout)
-    kwargs = llm_kwargs(args)
+    engine = engine_config_from_flags(args)
     sock = bind_socket(config.host, config.port)
+    spec = engine.speculative
     log.info("flags checked: model %s, speculative %s, verify %s, %d running + %d queued requests, %s:%d",
-             kwargs["model"], kwargs["speculative_algorithm"], kwargs["verify_mode"], kwargs["max_num_seqs"],
+             engine.target.model or "embedded", spec.algorithm, spec.verify_mode, engine.scheduler.max_num_seqs,
              config.max_queued_requests, config.host, sock.getsockname()[1])
-    llm = load_llm(kwargs)
+    llm = load_llm(engine)
     warm_up(llm)
     run_server(llm, config, sock, log_level=args.log_level)
     return 0
 
 
-def llm_kwargs(args: argparse.Namespace) -> dict:
-    """LLM(...) keyword arguments from the flags; ValueError / FileNotFoundError for bad ones, fast."""
-    from dspark.models.embedded import resolve_model_path
-    from dspark.speculative.config import SpeculativeConfig
+SERVER_FLAGS = {"max_num_seqs": "--max-running-requests", "max_num_batched_tokens": "--chunked-prefill-size",
+                "max_model_len": "--context-length", "max_total_tokens": "--max-total-tokens"}
 
-    for flag, value, least in (("--max-running-requests", args.max_running_requests, 1),
-                               ("--chunked-prefill-size", args.chunked_prefill_size, 1),
-                               ("--context-length", args.context_length, 2),
-                               ("--max-total-tokens", args.max_total_tokens, 16)):
-        if value is not None and value < least:
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
+
+def engine_config_from_flags(args: argparse.Namespace):
+    """The EngineConfig of the flags, its files checked: ValueError / FileNotFoundError for bad ones, fast."""
+    from dspark.cli_args import engine_config
+
     args.speculative_algorithm = _default_algorithm(args)
-    spec = speculative_kwargs(args)
-    spec["sps_profile"] = args.sps_profile or "quick"  # a first start answers /health in seconds
-    _check_combination(spec, args)
-    SpeculativeConfig(algorithm=spec["speculative_algorithm"], draft_model=spec["draft_model"],
-                      block_size=spec["num_draft_tokens"], planner=spec["planner"], threshold=spec["threshold"],
-                      verify_mode=spec["verify_mode"], min_gain=spec["min_gain"])  # its own checks, before anything loads
-    model = resolve_model_path(args.model)
-    _check_files(spec, model, args)
-    kv = {} if args.max_total_tokens is None else {"num_kv_blocks": -(-args.max_total_tokens // 16)}
-    return dict(model=model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-                max_num_seqs=args.max_running_requests,
-                max_num_batched_tokens=args.chunked_prefill_size, max_model_len=args.context_length, **kv, **spec)
+    options = {**model_options(args), **speculative_options(args, sps_profile="quick"),  # /health in seconds
+               "max_num_seqs": args.max_running_requests, "max_num_batched_tokens": args.chunked_prefill_size,
+               "max_model_len": args.context_length, "max_total_tokens": args.max_total_tokens}
+    return engine_config(options, SERVER_FLAGS, check_files=True)
 
 
 def _default_algorithm(args: argparse.Namespace) -> str:
@@ -106,46 +95,15 @@ def _default_algorithm(args: argparse.Namespace) -> str:
     return "NONE"
 
 
-def _check_combination(spec: dict, args: argparse.Namespace) -> None:
-    algo = spec["speculative_algorithm"]
-    if algo == "NONE" and spec["num_draft_tokens"] is not None:
-        raise ValueError("--speculative-dspark-block-size / --speculative-num-draft-tokens need "
-                         "--speculative-algorithm NGRAM, DFLASH or DSPARK")
-    for flag, value in (("--speculative-dspark-sps-table-path", spec["sps_table"]),
-                        ("--speculative-dspark-confidence-sts-path", spec["sts_path"])):
-        if value is not None and algo != "DSPARK":
-            raise ValueError(f"{flag} is only used with --speculative-algorithm DSPARK, not {algo}")
-    if spec["sps_table"] is not None and (spec["planner"] != "throughput" or spec["verify_mode"] == "static"):
-        raise ValueError("--speculative-dspark-sps-table-path is only read by the throughput planner "
-                         "(--speculative-dspark-planner throughput, --ragged-verify-mode compact or cap-accept)")
-
-
-def _check_files(spec: dict, model: Path, args: argparse.Namespace) -> None:
-    from dspark.models.embedded import embedded_model_dir
-
-    algo, draft = spec["speculative_algorithm"], spec["draft_model"]
-    if algo in ("DSPARK", "DFLASH"):
-        if draft is None and model.resolve() != embedded_model_dir().resolve():
-            raise ValueError(f"--speculative-algorithm {algo} on {model} needs --speculative-draft-model-path "
-                             "(the shipped drafter is for the embedded SmolLM2 target)")
-        if draft is not None and not (Path(draft).expanduser() / "config.json").is_file():
-            raise FileNotFoundError(f"--speculative-draft-model-path {draft!r} is not a drafter directory "
-                                    "(no config.json)")
-    for flag, value in (("--speculative-dspark-sps-table-path", spec["sps_table"]),
-                        ("--speculative-dspark-confidence-sts-path", spec["sts_path"])):
-        if value is not None and not Path(value).expanduser().is_file():
-            raise FileNotFoundError(f"{flag} {value!r} is not a file")
-
-
-def load_llm(kwargs: dict):
-    """Load the target (and drafter, planner, SPS profile) with one log line per stage."""
+def load_llm(config):
+    """Load the target (and drafter, planner, SPS profile) of an EngineConfig, one log line per stage."""
     from dspark import LLM
 
-    algo = kwargs["speculative_algorithm"]
-    log.info("loading model %s (%s on %s)%s", kwargs["model"], kwargs["dtype"], kwargs["device"],
+    algo, t = config.speculative.algorithm, config.target
+    log.info("loading model %s (%s on %s)%s", t.model or "embedded", t.dtype, t.device,
              "" if algo == "NONE" else f" with {algo} drafting; the SPS table is profiled once when none is given")
     t = time.perf_counter()
-    llm = LLM(**kwargs, profile_progress=False)
+    llm = LLM(config=config, profile_progress=False)
     eng = llm.engine
     log.info("model loaded in %.1f s: context %d tokens, KV cache %d tokens, %s proposer (%d drafts), planner %s",
              time.perf_counter() - t, eng.max_model_len, eng.cache.num_blocks * eng.cache.block_size,

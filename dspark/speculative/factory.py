@@ -3,13 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from dspark.drafters.registry import shipped_drafter
 from dspark.models.decoder import Decoder
-from dspark.models.embedded import embedded_model_dir
 from dspark.models.packing import packing_supported
-from dspark.speculative.config import SpeculativeConfig
+from dspark.speculative.config import Algorithm, PlannerKind, SpeculativeConfig, VerifyMode
 from dspark.speculative.cost_table import SPSTable
 from dspark.speculative.planners import Planner, make_planner
 from dspark.speculative.proposer import NoProposer, Proposer
@@ -17,32 +13,25 @@ from dspark.speculative.proposer import NoProposer, Proposer
 
 def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -> Proposer:
     """NONE -> plain decoding; NGRAM -> prompt lookup; DSPARK / DFLASH -> the block drafter."""
-    if cfg.algorithm == "NONE":
+    if cfg.algorithm == Algorithm.NONE:
         return NoProposer()
-    if cfg.algorithm == "NGRAM":
+    if cfg.algorithm == Algorithm.NGRAM:
         from dspark.speculative.ngram import NgramProposer
 
-        return NgramProposer(cfg.block_size or 7)
+        return NgramProposer(cfg.num_speculative_tokens or 7)
     from dspark.drafters.io import read_sts
     from dspark.interop import load_any_drafter
     from dspark.speculative.block_drafter import BlockDrafterProposer
 
-    if cfg.draft_model is None:
-        if Path(model_path).resolve() != embedded_model_dir().resolve():
-            raise ValueError(f"{cfg.algorithm} on {model_path} needs draft_model=PATH "
-                             "(the shipped drafter is for the embedded SmolLM2 target)")
-        path = shipped_drafter(cfg.algorithm)
-    else:
-        path = Path(cfg.draft_model).expanduser()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"draft model {str(path)!r} is not a drafter directory (no config.json)")
+    path = cfg.drafter_path(model_path)
     drafter = load_any_drafter(path, decoder.embed_tokens.weight, decoder.lm_head.weight)  # dspark / speculators / DeepSpec
     _check_compatible(drafter, decoder, path)
-    if cfg.algorithm == "DFLASH":
+    if cfg.algorithm == Algorithm.DFLASH:
         if drafter.markov_head is not None or drafter.confidence_head is not None:
             raise ValueError(f"{path} is a DSpark drafter; DFLASH needs markov_rank=0 and no confidence head")
-    if cfg.block_size is not None and cfg.block_size > drafter.config.block_size:
-        raise ValueError(f"block_size {cfg.block_size} exceeds the drafter's trained block size "
+    n = cfg.num_speculative_tokens
+    if n is not None and n > drafter.config.block_size:
+        raise ValueError(f"num_speculative_tokens {n} exceeds the drafter's trained block size "
                          f"{drafter.config.block_size}")
     drafter = drafter.to(dtype=decoder.dtype, device=decoder.device).eval()
     if packing_supported(decoder.dtype, decoder.device):
@@ -51,25 +40,19 @@ def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -
     if cfg.sts_path and sts is None:
         raise FileNotFoundError(f"STS file {cfg.sts_path!r} not found")
     if cfg.sts_path:  # its logit offset replaces the one folded in from the checkpoint's own sts.json
-        from dspark.drafters.io import read_sts_offset
+        from dspark.drafters.io import refold_sts_offset
 
-        offset = read_sts_offset(Path(cfg.sts_path))
-        if offset != drafter.sts_offset:
-            if drafter.confidence_head is None:
-                raise ValueError(f"{cfg.sts_path}: a logit_offset needs a drafter with a confidence head")
-            with torch.no_grad():
-                drafter.confidence_head.proj.bias += offset - drafter.sts_offset
-            drafter.sts_offset = offset
-    return BlockDrafterProposer(drafter, sts, max_drafts=cfg.block_size)
+        refold_sts_offset(drafter, Path(cfg.sts_path))
+    return BlockDrafterProposer(drafter, sts, max_drafts=n)
 
 
 def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, model_path: Path,
                   max_num_seqs: int, progress: bool = True) -> Planner | None:
     """Planner for drafters with a confidence head; everything else verifies all its drafts.
     progress: show the progress bar of a first-time SPS profile."""
-    if cfg.algorithm != "DSPARK" or cfg.verify_mode == "static" or cfg.planner == "fixed":
+    if cfg.algorithm != Algorithm.DSPARK or cfg.verify_mode == VerifyMode.STATIC or cfg.planner == PlannerKind.FIXED:
         return None
-    if cfg.planner == "threshold":
+    if cfg.planner == PlannerKind.THRESHOLD:
         return make_planner("threshold", threshold=cfg.threshold)
     from dspark.speculative.profile import drafting_grid, load_or_profile, profile_drafting
 

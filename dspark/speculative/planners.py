@@ -16,10 +16,9 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import Hashable, Sequence
 
-from dspark.speculative.config import PLANNERS
+from dspark.speculative.config import PlannerKind, ThroughputVariant, choices
 from dspark.speculative.cost_table import SPSTable
 
-THROUGHPUT_VARIANTS = ("lagged", "algorithm1")
 
 
 def _check_conf(conf: Sequence[Sequence[float]]) -> None:
@@ -276,8 +275,8 @@ class ThroughputPlanner(Planner):
         """
         if table is None:
             raise ValueError("the throughput planner needs a profiled SPS table (got None)")
-        if variant not in THROUGHPUT_VARIANTS:
-            raise ValueError(f"unknown throughput variant {variant!r}; choose from {THROUGHPUT_VARIANTS}")
+        if variant not in choices(ThroughputVariant):
+            raise ValueError(f"unknown throughput variant {variant!r}; choose from {choices(ThroughputVariant)}")
         if lag < 1:
             raise ValueError(f"lag must be >= 1 round, got {lag}")
         if probe_every < 1 or idle_probe_every < probe_every:
@@ -346,7 +345,7 @@ class ThroughputPlanner(Planner):
              extra_tokens: int = 0, context_tokens: int | None = None) -> list[int]:
         """Verify lengths for this round; the lagged variant also records conf for later rounds."""
         _check_batch(request_ids, conf)
-        if self.variant == "algorithm1":
+        if self.variant == ThroughputVariant.ALGORITHM1:
             return plan_algorithm1(conf, self.table, early_stop=True, extra_tokens=extra_tokens,
                                    context_tokens=context_tokens)
         lagged: list[Sequence[float]] = []
@@ -376,12 +375,12 @@ class ThroughputPlanner(Planner):
 
 def make_planner(name: str, table: SPSTable | None = None, **kw: object) -> Planner:
     """Build a planner by name ("fixed", "threshold", "throughput"); extra kwargs go to its constructor."""
-    if name == "fixed":
+    if name not in choices(PlannerKind):
+        raise ValueError(f"unknown planner {name!r}; choose from {', '.join(choices(PlannerKind))}")
+    if name == PlannerKind.FIXED:
         return FixedPlanner(**kw)  # type: ignore[arg-type]
-    if name == "threshold":
+    if name == PlannerKind.THRESHOLD:
         return ThresholdPlanner(**kw)  # type: ignore[arg-type]
-    if name == "throughput":
-        if table is None:
-            raise ValueError("planner 'throughput' needs a profiled SPS table (table=None given)")
-        return ThroughputPlanner(table, **kw)  # type: ignore[arg-type]
-    raise ValueError(f"unknown planner {name!r}; choose from {', '.join(PLANNERS)}")
+    if table is None:
+        raise ValueError("planner 'throughput' needs a profiled SPS table (table=None given)")
+    return ThroughputPlanner(table, **kw)  # type: ignore[arg-type]

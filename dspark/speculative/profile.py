@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dspark.cache import blocks_for
 from dspark.models.decoder import Decoder
 from dspark.models.embedded import dspark_home
-from dspark.speculative.config import SPS_PROFILES
+from dspark.speculative.config import SpsProfile, choices
 from dspark.speculative.cost_table import SPSTable
 
 
@@ -87,7 +88,7 @@ def profile_sps(decoder: Decoder, sizes: list[int], *, seq_counts: list[int] = (
     widest = max(seq_counts, default=1)
     jobs = [(lens, context) for lens in points] + [([1] * widest, context), ([1] * widest, 2 * context)]
     biggest = max(sum(lens) for lens in points)
-    per_seq = -(-(2 * context + biggest) // 16)
+    per_seq = blocks_for(2 * context + biggest)
     cache = decoder.new_cache(per_seq * (1 + widest) + 1)
     gen = torch.Generator().manual_seed(0)
     times: list[list[float]] = [[] for _ in jobs]
@@ -166,8 +167,8 @@ def load_or_profile(model_path: Path, decoder: Decoder, max_tokens: int, *, max_
     max_seqs sequences with windows up to `window` tokens), profiling once if there is none. A cached
     full table is used whatever `profile` asks; with "quick" and none cached, the quick grid is measured
     (and cached apart), which takes seconds where the full one takes a minute or more."""
-    if profile not in SPS_PROFILES:
-        raise ValueError(f"sps profile must be one of {', '.join(SPS_PROFILES)}, got {profile!r}")
+    if profile not in choices(SpsProfile):
+        raise ValueError(f"sps profile must be one of {', '.join(choices(SpsProfile))}, got {profile!r}")
     for kind in dict.fromkeys(("full", profile)):
         cached = table_cache_path(model_path, decoder, max_tokens, max_seqs, kind)
         if cached.is_file():
@@ -176,16 +177,24 @@ def load_or_profile(model_path: Path, decoder: Decoder, max_tokens: int, *, max_
             except ValueError:
                 pass  # a damaged cache entry: measure again
     path = table_cache_path(model_path, decoder, max_tokens, max_seqs, profile)
-    if profile == "quick":
-        table = profile_sps(decoder, quick_sizes(max_tokens), seq_counts=quick_seq_counts(max_seqs), window=window,
-                            repeats=1, progress=progress, name=Path(model_path).name, extra_tokens=QUICK_EXTRA_TOKENS,
-                            light_warmup=True)
-    else:
-        table = profile_sps(decoder, default_sizes(max_tokens), seq_counts=default_seq_counts(max_seqs),
-                            window=window, progress=progress, name=Path(model_path).name)
+    table = measure_sps(decoder, max_tokens=max_tokens, max_seqs=max_seqs, window=window, profile=profile,
+                        progress=progress, name=Path(model_path).name)
     path.parent.mkdir(parents=True, exist_ok=True)
     table.save(path)
     return table
+
+
+def measure_sps(decoder: Decoder, *, max_tokens: int, max_seqs: int = 1, window: int = 8, profile: str = "full",
+                repeats: int | None = None, context: int = 256, progress: bool = True, name: str = "") -> SPSTable:
+    """The one producer of SPS tables (a start with none cached, `dspark profile`, `dspark bench roofline`):
+    one-sequence steps up to max_tokens and loaded steps of 2..max_seqs sequences with windows up to
+    `window`, on the full grid or the quick one. repeats: timed passes (default 4 full, 1 quick)."""
+    if profile == "quick":
+        return profile_sps(decoder, quick_sizes(max_tokens), seq_counts=quick_seq_counts(max_seqs), window=window,
+                           repeats=repeats or 1, context=context, progress=progress, name=name,
+                           extra_tokens=QUICK_EXTRA_TOKENS, light_warmup=True)
+    return profile_sps(decoder, default_sizes(max_tokens), seq_counts=default_seq_counts(max_seqs), window=window,
+                       repeats=repeats or 4, context=context, progress=progress, name=name)
 
 
 def drafting_grid(max_seqs: int, profile: str = "full") -> tuple[list[int], int]:
@@ -216,7 +225,7 @@ def profile_drafting(drafter, sizes: list[int], *, decoder: Decoder | None = Non
     caches = [drafter.new_cache(context + fed + 8) for _ in range(widest)]
     drafter.extend_many(caches, [hidden] * widest, [0] * widest)
     paired = decoder is not None and table is not None
-    target = decoder.new_cache(-(-(context + 1) // 16) + 1) if paired else None
+    target = decoder.new_cache(blocks_for(context + 1) + 1) if paired else None
     steps: list[float] = []
     times: dict[int, list[float]] = {r: [] for r in sizes}
     start = context - fed
