@@ -13,6 +13,8 @@ class AcceptanceCounter:
     committed: int = 0
     attempts: list[int] = field(default_factory=list)  # [gamma] rounds that verified draft j with 1..j-1 kept
     accepts: list[int] = field(default_factory=list)  # [gamma] ... and kept draft j
+    drafts_verified: int = 0  # over every round, the last included
+    drafts_kept: int = 0
 
     def add(self, accept_lengths: list[int], windows: list[int] | None) -> None:
         """One request's rounds. Its last round may be cut by a stop or max_tokens, so acceptance skips it."""
@@ -20,6 +22,7 @@ class AcceptanceCounter:
         self.committed += sum(accept_lengths)
         if not windows or len(windows) != len(accept_lengths):
             return
+        self.add_drafts(sum(windows), sum(min(c - 1, w) for c, w in zip(accept_lengths, windows)))
         for committed, window in list(zip(accept_lengths, windows))[:-1]:
             kept = min(committed - 1, window)
             if window > len(self.attempts):
@@ -30,6 +33,16 @@ class AcceptanceCounter:
                 self.attempts[j] += 1
                 if j < kept:
                     self.accepts[j] += 1
+
+    def add_drafts(self, verified: int, kept: int) -> None:
+        """Draft totals alone, for a method that reports no rounds (llama-server)."""
+        self.drafts_verified += verified
+        self.drafts_kept += kept
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        """Drafts kept / drafts verified; None before any draft."""
+        return self.drafts_kept / self.drafts_verified if self.drafts_verified else None
 
     @property
     def tau(self) -> float | None:

@@ -27,8 +27,8 @@ from dspark.sampling_params import SamplingParams
 
 LLAMA_SERVER_METHODS = ("llama.cpp-server", "llama.cpp-dspark", "llama.cpp-dspark-pmin")
 DEFAULT_P_MIN = 0.5
-_COUNTERS = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-             "spec_decode_num_drafts_total")
+_STEPS = "spec_decode_num_drafts_total"  # verification steps; drafts made / accepted come with each answer
+_COUNTERS = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total", _STEPS)
 
 
 def find_llama_server() -> Path | None:
@@ -120,6 +120,7 @@ class LlamaServer:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.client.close()
         self._log.close()
 
     def _tail(self) -> str:
@@ -183,9 +184,8 @@ class LlamaServerMethod:
                                     tpot=tpot / 1000 if tpot is not None and n > 1 else None,
                                     drafted=timings.get("draft_n", 0), accepted=timings.get("draft_n_accepted", 0)))
         seconds = time.perf_counter() - t0
-        after = self.server.counters()
-        delta = {k: after[k] - before[k] for k in _COUNTERS}
-        return BatchRun(comps, seconds, verify_steps=int(delta["spec_decode_num_drafts_total"]))
+        steps = self.server.counters()[_STEPS] - before[_STEPS]
+        return BatchRun(comps, seconds, verify_steps=int(steps))
 
 
 def _free_port() -> int:

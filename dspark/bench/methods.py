@@ -106,13 +106,15 @@ class EngineMethod:
             kw.setdefault("draft_model", setup.dspark_draft if algo == "DSPARK" else setup.dflash_draft)
             kw.setdefault("sts_path", setup.sts_path if algo == "DSPARK" else None)
         if algo == "DSPARK":
-            if kw.get("planner", "throughput") == "throughput" and setup.verify_mode != "static":
-                kw.setdefault("sps_table", setup.sps_table)  # only the throughput planner reads it
             kw.setdefault("threshold", setup.threshold)
         if algo != "NONE":
             kw.setdefault("num_speculative_tokens", block_size)
             kw.setdefault("verify_mode", setup.verify_mode)
         from dspark import LLM
+        from dspark.config import EngineConfig
+
+        if EngineConfig.from_kwargs(**kw).speculative.plans_throughput:
+            kw.setdefault("sps_table", setup.sps_table)  # only the throughput planner reads it
 
         self.llm = LLM(setup.model, dtype=setup.dtype, quantization=setup.quantization, device=setup.device,
                        max_num_seqs=setup.max_num_seqs,

@@ -152,12 +152,10 @@ def _cell(v: Variant, t: float, c: int, d: Dataset, runs: dict, cfg: OfflineConf
     for x in first:
         if x.windows is not None:
             acc.add(x.accept_lengths, x.windows)
-    drafted, accepted, tau = _draft_counts(first), None, acc.tau if acc.rounds else None
-    if drafted is not None:
-        drafted, accepted = drafted
-        steps = [b.verify_steps for b in reps[0]]
-        if tau is None and all(n is not None for n in steps) and sum(steps):  # counted by the method itself
-            tau = 1 + accepted / sum(steps)
+        elif x.drafted:
+            acc.add_drafts(x.drafted, x.accepted or 0)
+    steps = sum(b.verify_steps or 0 for b in reps[0])  # rounds counted by a method without per-round data
+    tau = acc.tau if acc.rounds else (1 + acc.drafts_kept / steps if steps else None)
     wall = sum(b.seconds for rep in reps for b in rep)
     split = {k: sum(b.split.get(k, 0.0) for rep in reps for b in rep) for k in ("draft", "plan", "verify")}
     split = {k: s / wall for k, s in split.items()} if v.method in ENGINE_METHODS else {}
@@ -170,29 +168,13 @@ def _cell(v: Variant, t: float, c: int, d: Dataset, runs: dict, cfg: OfflineConf
         "method": v.method, "label": v.label, "dataset": d.name, "temperature": t, "block_size": v.block_size,
         "concurrency": c, "prompts": len(first), "output_tokens": sum(len(x.token_ids) for x in first),
         "tokens_per_s": spread(speeds), "tau": tau,
-        "draft_acceptance": accepted / drafted if drafted else None,
+        "draft_acceptance": acc.draft_acceptance,
         "accept_by_position": acc.conditional(), "rounds": acc.rounds, "time_split": split,
         "ttft_s": latency_summary([x.ttft for x in every]), "tpot_s": latency_summary([x.tpot for x in every]),
         "per_user_tokens_per_s": latency_summary(user)["p50"],
         "outside_draft_vocab": _outside(first, vocab),
         "token_ids": [x.token_ids for x in first],
     }
-
-
-def _draft_counts(completions: list) -> tuple[int, int] | None:
-    """(drafts verified, drafts accepted) over completions: from the rounds where the method records them
-    (the engine), else from its own totals (llama-server); None for a method that drafts nothing."""
-    drafted = accepted = 0
-    for x in completions:
-        if x.windows is not None:
-            drafted += sum(x.windows)
-            accepted += sum(min(c - 1, w) for c, w in zip(x.accept_lengths, x.windows))
-        elif x.drafted is not None:
-            drafted += x.drafted
-            accepted += x.accepted or 0
-        else:
-            return None
-    return (drafted, accepted) if drafted else None
 
 
 def _outside(completions: list, vocab) -> float | None:

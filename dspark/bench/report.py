@@ -95,8 +95,8 @@ def _offline(off: dict) -> list[str]:
              f"Prompts per dataset: {sets}; "
              f"max tokens {cfg.get('max_tokens')}; repeats {cfg.get('repeats')} (tokens/s: median [min, max]); "
              "methods interleaved per prompt group. Speedup is over `ar` (this engine's plain decoding); "
-             "tau = tokens committed per round; draft acc. = drafts accepted / drafts verified; the time split is the share of wall time in draft / plan / "
-             "verify (prefill included) / other.", ""]
+             "tau = tokens committed per round; draft acc. = drafts accepted / drafts verified; the time split "
+             "is the share of wall time in draft / plan / verify (prefill included) / other.", ""]
     groups = sorted({(c["temperature"], c["concurrency"]) for c in cells})
     for t, conc in groups:
         lines += [f"### T = {t:g}, concurrency {conc}", ""]
@@ -108,10 +108,10 @@ def _offline(off: dict) -> list[str]:
             split = "/".join(f"{100 * sp[k]:.0f}" for k in ("draft", "plan", "verify", "other")) if sp else "-"
             rows.append([c["dataset"], c["label"], f"{_f(s['median'], '.1f')} [{_f(s['min'], '.1f')}, {_f(s['max'], '.1f')}]",
                          _f(c.get("speedup"), ".2f") + ("x" if c.get("speedup") else ""), _f(c.get("tau")),
-                         _f(c.get("draft_acceptance")), _match(c), split, _f(c.get("tpot_s", {}).get("p50") and 1000 * c["tpot_s"]["p50"], ".1f")])
+                         _f(c.get("draft_acceptance")), _match(c), split,
+                         _f(c.get("tpot_s", {}).get("p50") and 1000 * c["tpot_s"]["p50"], ".1f")])
         lines += _table(["dataset", "method", "tokens/s", "speedup", "tau", "draft acc.", "matches ar",
-                         "draft/plan/verify/other %",
-                         "per-token p50 ms"], rows) + [""]
+                         "draft/plan/verify/other %", "per-token p50 ms"], rows) + [""]
     acc = [c for c in headline_cells({"offline": off}) if any(v is not None for v in c.get("accept_by_position") or [])]
     if acc:
         width = max(len(c["accept_by_position"]) for c in acc)
