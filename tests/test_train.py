@@ -55,6 +55,22 @@ def test_datagen_resumes_and_skips_finished_shards(tiny_setup):
         generate_shards(prompts[:16], data, model=str(model), shard_size=8, max_tokens=30, log=logs.append)
 
 
+def test_code_prompts_in_both_styles():
+    """One prompt per stdlib function in each style: a description to implement, or the function's
+    header and docstring in a code block (HumanEval's shape); the two cover the same functions."""
+    from dspark.train.datagen import stdlib_code_prompts
+
+    describe, complete = stdlib_code_prompts(), stdlib_code_prompts(style="complete")
+    assert len(describe) == len(complete) > 100
+    assert {p.source for p in describe} == {"stdlib_code"} and {p.source for p in complete} == {"stdlib_completion"}
+    name = describe[0].text.split("`")[1].split("(")[0]
+    head = complete[0].text.split("```python\n")[1]
+    assert head.startswith(f"def {name}(") and '"""' in head and complete[0].text.endswith("```")
+    assert len(stdlib_code_prompts(5, style="complete")) == 5
+    with pytest.raises(ValueError, match="style"):
+        stdlib_code_prompts(style="haiku")
+
+
 def test_tv_is_exact_with_a_reduced_vocabulary():
     """p_t normalised over the full vocabulary; the drafter has no mass outside its vocabulary."""
     torch.manual_seed(0)

