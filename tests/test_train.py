@@ -13,6 +13,7 @@ from conftest import make_tiny_model
 
 from dspark.drafters.blocks import IGNORE
 from dspark.train.datagen import Prompt, generate_shards, load_sequences
+from dspark.train.features import target_batch
 from dspark.train.losses import vocab_loss
 from dspark.train.trainer import Trainer, TrainConfig
 
@@ -200,6 +201,20 @@ def test_init_from_starts_from_a_checkpoint(tiny_setup, tmp_path):
     for t in shared[:20]:
         assert torch.equal(w2_new[new_d2t.index(t)], w2_old[old_d2t.index(t)].to(w2_new.dtype))
     torch.testing.assert_close(other.model.fc.weight, saved["fc.weight"].to(other.model.fc.weight.dtype))
+    # a deeper drafter: the checkpoint's layers, then layers that add nothing until trained
+    deep = Trainer(_cfg(model, data, tmp_path / "f", steps=2, draft_vocab_size=512, num_layers=3,
+                        init_from=str(out), export=str(tmp_path / "deep")))
+    tb = target_batch(deep.target, [deep.seqs[0][:2]], deep.dcfg.target_layer_ids)
+    pos, valid = torch.tensor([[1, 3]]), torch.ones(1, 2, dtype=torch.bool)
+    with torch.no_grad():
+        torch.testing.assert_close(deep.model(tb.hidden, tb.ids, pos, valid).logits,
+                                   warm.model(tb.hidden, tb.ids, pos, valid).logits)
+    assert not deep.model.layers[2].mlp.down.weight.any()
+    deep.fit()
+    assert deep.model.layers[2].mlp.down.weight.any() and deep.model.layers[1].self_attn.o_proj.weight.any()
+    with pytest.raises(ValueError, match="differs"):  # shallower is not a warm start
+        Trainer(_cfg(model, data, tmp_path / "g", draft_vocab_size=512, init_from=str(tmp_path / "deep"),
+                     num_layers=2))
     with pytest.raises(FileNotFoundError, match="not a drafter directory"):
         Trainer(_cfg(model, data, tmp_path / "d", init_from=str(tmp_path)))
 

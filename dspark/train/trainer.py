@@ -178,8 +178,9 @@ class Trainer:
         dtype = resolve_dtype(c.compute_dtype, str(self.device))  # bf16 on an AVX2-only CPU is ~5x slower than fp32
         self.model = DSparkDrafter(dcfg, self.embed, self.lm_head, d2t=d2t, dtype=dtype).to(self.device)
         if init is not None:
-            self.model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in init.items()},
-                                       strict=True)
+            missing, _ = self.model.load_state_dict(
+                {k: v.to(dtype) if v.is_floating_point() else v for k, v in init.items()}, strict=False)
+            self._zero_new_layers(missing)
         self.opt = MasterAdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
         self.global_batch = c.batch_size * self.world
         self.steps_per_epoch = max(1, len(self.train_idx) // self.global_batch)
@@ -220,11 +221,29 @@ class Trainer:
         theirs, _ = parse_config(json.loads((src / CONFIG).read_text()), src)
         diff = {k: (v, getattr(self.dcfg, k)) for k, v in theirs.to_dict().items() if v != self.dcfg.to_dict()[k]}
         tensors = load_file(str(src / WEIGHTS))
-        if set(diff) == {"draft_vocab_size"} and None not in diff["draft_vocab_size"]:
-            return self._new_vocab(tensors)  # same drafter, fresh draft vocabulary
-        if diff:
+        allowed = set()  # a deeper drafter (layers appended), a fresh draft vocabulary
+        if "num_layers" in diff and diff["num_layers"][0] < diff["num_layers"][1]:
+            allowed.add("num_layers")
+        new_vocab = "draft_vocab_size" in diff and None not in diff["draft_vocab_size"]
+        if new_vocab:
+            allowed.add("draft_vocab_size")
+        if set(diff) - allowed:
             raise ValueError(f"--init-from {src}: drafter config differs from this run's (theirs, ours): {diff}")
-        return tensors
+        return self._new_vocab(tensors) if new_vocab else tensors
+
+    def _zero_new_layers(self, missing: list[str]) -> None:
+        """After loading a shallower --init-from checkpoint: the layers it lacks (appended after its own)
+        start with zero output projections, so each adds nothing to the residual stream and the deeper
+        drafter computes exactly what the checkpoint did until training moves them."""
+        new = sorted({int(k.split(".")[1]) for k in missing if k.startswith("layers.")})
+        whole = {f"layers.{i}.{name}" for i in new for name, _ in self.model.layers[i].named_parameters()}
+        if set(missing) != whole:
+            raise ValueError(f"--init-from checkpoint does not fit this drafter; missing: {sorted(missing)}")
+        with torch.no_grad():
+            for i in new:
+                layer = self.model.layers[i]
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down.weight.zero_()
 
     def _new_vocab(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Warm start across draft vocabularies: a fresh vocabulary from this run's data; every tensor
