@@ -60,7 +60,10 @@ class PackedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def _mm(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        n = rows.shape[0]
+        if self.row_chunk is not None and n < MIN_ROWS:  # zero rows up to the kernel every call uses
+            rows = torch.cat([rows, rows.new_zeros(MIN_ROWS - n, rows.shape[1])])
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")[:n]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=bf16"
@@ -70,6 +73,11 @@ class PackedLinear(nn.Module):
 # result then changes by an ulp; at most 32 rows per call keeps every row's result the same at any
 # batch size (tests/test_packing.py).
 ROW_CHUNK = 32
+# Below 8 rows oneDNN picks another bf16 kernel for some shapes on AVX-512-bf16 CPUs without AMX (a
+# 1536-wide down projection on a Zen 5 EPYC), whose rows differ by an ulp from the same rows in a
+# bigger call; a call of fewer rows is padded to 8 with zero rows, so every row goes through the
+# kernel of 8-32 rows. The weight read dominates such small calls, so the padding costs little.
+MIN_ROWS = 8
 
 
 def pack_linears(module: nn.Module, keep: tuple[str, ...] | bool = ()) -> int:
