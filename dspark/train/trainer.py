@@ -178,8 +178,10 @@ class Trainer:
         dtype = resolve_dtype(c.compute_dtype, str(self.device))  # bf16 on an AVX2-only CPU is ~5x slower than fp32
         self.model = DSparkDrafter(dcfg, self.embed, self.lm_head, d2t=d2t, dtype=dtype).to(self.device)
         if init is not None:
-            missing, _ = self.model.load_state_dict(
+            missing, unexpected = self.model.load_state_dict(
                 {k: v.to(dtype) if v.is_floating_point() else v for k, v in init.items()}, strict=False)
+            if unexpected:
+                raise ValueError(f"--init-from {c.init_from}: tensors this drafter does not have: {unexpected}")
             self._zero_new_layers(missing)
         self.opt = MasterAdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
         self.global_batch = c.batch_size * self.world
@@ -241,9 +243,10 @@ class Trainer:
             raise ValueError(f"--init-from checkpoint does not fit this drafter; missing: {sorted(missing)}")
         with torch.no_grad():
             for i in new:
-                layer = self.model.layers[i]
-                layer.self_attn.o_proj.weight.zero_()
-                layer.mlp.down.weight.zero_()
+                for out in (self.model.layers[i].self_attn.o_proj, self.model.layers[i].mlp.down):
+                    out.weight.zero_()
+                    if out.bias is not None:
+                        out.bias.zero_()
 
     def _new_vocab(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Warm start across draft vocabularies: a fresh vocabulary from this run's data; every tensor
