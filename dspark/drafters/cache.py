@@ -5,27 +5,24 @@ import torch
 
 
 class DrafterCache:
-    """Per drafter layer, the context keys (after k-norm and RoPE) and values of positions 0..length-1."""
+    """Context keys (after k-norm and RoPE) and values of positions 0..length-1, every drafter layer in
+    one tensor [capacity, layers, 2 (k, v), kv_heads, hd], so a feed writes one slice per request."""
 
     def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, capacity: int = 64):
-        shape = (max(capacity, 1), kv_heads, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kv = torch.empty(max(capacity, 1), num_layers, 2, kv_heads, head_dim, dtype=dtype, device=device)
         self.length = 0  # positions 0..length-1 are filled
 
     @property
     def capacity(self) -> int:
         """Positions storable before the next reallocation."""
-        return self.keys[0].shape[0]
+        return self.kv.shape[0]
 
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Append one (k, v) pair [n, kv_heads, hd] per layer at positions length..length+n-1."""
-        n = kv[0][0].shape[0]
+    def append(self, kv: torch.Tensor) -> None:
+        """Append kv [n, layers, 2, kv_heads, hd] at positions length..length+n-1."""
+        n = kv.shape[0]
         self._reserve(self.length + n)
-        for layer, (k, v) in enumerate(kv):
-            self.keys[layer][self.length:self.length + n] = k
-            self.values[layer][self.length:self.length + n] = v
+        self.kv[self.length:self.length + n] = kv
         self.length += n
 
     def truncate(self, length: int) -> None:
@@ -36,14 +33,11 @@ class DrafterCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Filled keys and values of one layer, each [length, kv_heads, hd] (views)."""
-        return self.keys[index][:self.length], self.values[index][:self.length]
+        return self.kv[:self.length, index, 0], self.kv[:self.length, index, 1]
 
     def _reserve(self, need: int) -> None:
         if need <= self.capacity:
             return
-        new_cap = max(need, 2 * self.capacity)
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                grown = old.new_empty((new_cap, *old.shape[1:]))
-                grown[:self.length] = old[:self.length]
-                store[i] = grown
+        grown = self.kv.new_empty((max(need, 2 * self.capacity), *self.kv.shape[1:]))
+        grown[:self.length] = self.kv[:self.length]
+        self.kv = grown

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from dspark.drafters.backbone import Backbone
-from dspark.drafters.blocks import IGNORE, block_positions, draft_mask, gather_tokens
+from dspark.drafters.blocks import IGNORE, block_positions, gather_tokens
 from dspark.drafters.cache import DrafterCache
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.heads import ConfidenceHead, MarkovHead
+from dspark.drafters.runner import DraftRunner
 from dspark.sampling.sampler import sample, warp_probs
 
 
@@ -84,17 +85,8 @@ class DSparkDrafter(Backbone):
                     m.bias.zero_()
 
     # ---- shared pieces -------------------------------------------------------------------------
-    def _block_hidden(self, block_ids: torch.Tensor, positions: torch.Tensor, ctx: list,
-                      mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block token ids [B, T] -> (hidden h [B, T, d], base logits U [B, T, Vd] fp32)."""
-        x = self.embed_weight[block_ids].to(self.fc.weight.dtype)
-        h = self.run_layers(x, positions, ctx, mask)
-        return h, self._head(h)
-
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """Base logits U [..., Vd] fp32 of final-normed hidden h [..., d]."""
-        if self._packed_head is not None:
-            return self._packed_head(h).float()
         return (h @ self.lm_head.to(h.dtype).T).float()
 
     def _block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
@@ -175,16 +167,24 @@ class DSparkDrafter(Backbone):
         return logits, conf
 
     # ---- inference -----------------------------------------------------------------------------
-    _packed_head = None
+    _runner: DraftRunner | None = None
+    _runner_key: tuple | None = None
 
     def pack(self) -> "DSparkDrafter":
-        """Inference on a bf16 CPU: every linear and the draft LM head in oneDNN's packed layout
-        (models/packing.py). Plain weights stay readable; training must use an unpacked drafter."""
-        from dspark.models.packing import PackedLinear, pack_linears
-
-        pack_linears(self, keep=True)
-        object.__setattr__(self, "_packed_head", PackedLinear(self.lm_head))
+        """Inference on a bf16 CPU: draft with fused weights in oneDNN's packed layout (drafters/runner.py),
+        built once from the weights as they are now; training must use an unpacked drafter."""
+        self._runner, self._runner_key = DraftRunner(self, pack=True), None
         return self
+
+    def runner(self) -> DraftRunner:
+        """The inference form of this drafter: the packed one after pack(), else fused copies of the
+        current weights (rebuilt when a weight changes)."""
+        if self._runner is not None and self._runner_key is None:
+            return self._runner
+        key = tuple((p.data_ptr(), None if p.is_inference() else p._version) for p in self.parameters())
+        if self._runner is None or key != self._runner_key:
+            self._runner, self._runner_key = DraftRunner(self), key
+        return self._runner
 
     def new_cache(self, capacity: int = 64) -> DrafterCache:
         """An empty per-request context cache on the drafter's device and dtype."""
@@ -204,17 +204,7 @@ class DSparkDrafter(Backbone):
         for cache, start in zip(caches, start_pos):
             if start > cache.length:
                 raise ValueError(f"extend at position {start} would leave a gap after {cache.length} cached")
-        sizes = [h.shape[0] for h in target_hidden]
-        if sum(sizes):
-            device = target_hidden[0].device
-            pos = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(start_pos, sizes)]).unsqueeze(0)
-            kv = self.context_kv(torch.cat(list(target_hidden)).unsqueeze(0), pos)
-        offset = 0
-        for cache, start, n in zip(caches, start_pos, sizes):
-            cache.truncate(start)
-            if n:
-                cache.append([(k[0, offset:offset + n], v[0, offset:offset + n]) for k, v in kv])
-            offset += n
+        self.runner().extend_many(caches, target_hidden, start_pos)
 
     @torch.no_grad()
     def draft(self, caches: Sequence[DrafterCache], anchors: Sequence[int], anchor_pos: Sequence[int], *,
@@ -225,19 +215,20 @@ class DSparkDrafter(Backbone):
         r, g = len(caches), self.config.block_size
         if r == 0 or not r == len(anchors) == len(anchor_pos):
             raise ValueError(f"draft needs one anchor and anchor position per cache, got {r} caches")
+        for cache, p in zip(caches, anchor_pos):
+            if cache.length > p:
+                raise ValueError(f"drafter cache holds {cache.length} positions but the anchor sits at {p}")
         device = self.fc.weight.device
-        lengths = [c.length for c in caches]
-        for ln, p in zip(lengths, anchor_pos):
-            if ln > p:
-                raise ValueError(f"drafter cache holds {ln} positions but the anchor sits at {p}")
-        h, base = self._block_hidden(*self._padded_inputs(caches, anchors, anchor_pos, lengths))
+        prev = torch.as_tensor(list(anchors), dtype=torch.long, device=device)
+        runner = self.runner()
+        h, base, conf_h = runner.block(caches, prev, torch.as_tensor(list(anchor_pos), dtype=torch.long,
+                                                                     device=device))
         params = _per_row(r, temperature, top_k, top_p)
         gens = list(generators) if generators is not None else [None] * r
-        prev = torch.as_tensor(list(anchors), dtype=torch.long, device=device)
         state = self.markov_head.init_state((r,), h) if self.markov_head is not None else None
         tokens, probs, logits, confs = [], [], [], []
         for k in range(g):
-            z, conf, state = self._step(prev, h[:, k], base[:, k], state)
+            z, conf, state = runner.step(prev, h[:, k], base[:, k], None if conf_h is None else conf_h[:, k], state)
             ids, p = _choose(z, params, gens)  # draft-vocab ids [R], probs [R, Vd] or None
             prev = self.d2t[ids] if self.d2t is not None else ids
             tokens.append(prev)
@@ -251,34 +242,6 @@ class DSparkDrafter(Backbone):
             logits=torch.stack(logits, 1),
             conf_logits=torch.stack(confs, 1) if self.confidence_head is not None else None,
         )
-
-    def _padded_inputs(self, caches: Sequence[DrafterCache], anchors: Sequence[int], anchor_pos: Sequence[int],
-                       lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, list, torch.Tensor]:
-        """Block ids [R, gamma], positions [R, gamma], padded context K/V per layer, mask [R, gamma, L+gamma]."""
-        device, dtype = self.fc.weight.device, self.fc.weight.dtype
-        c, r, max_len = self.config, len(caches), max(lengths, default=0)
-        ctx = []
-        for layer in range(c.num_layers):
-            k = torch.zeros(r, max_len, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
-            v = torch.zeros_like(k)
-            for i, cache in enumerate(caches):
-                k[i, :cache.length], v[i, :cache.length] = cache.layer(layer)
-            ctx.append((k, v))
-        anchors_t = torch.as_tensor(list(anchors), dtype=torch.long, device=device)
-        pos = block_positions(torch.as_tensor(list(anchor_pos), dtype=torch.long, device=device), c.block_size)
-        mask = draft_mask(torch.as_tensor(lengths, device=device), max_len, c.block_size)
-        return self._block_ids(anchors_t), pos, ctx, mask
-
-    def _step(self, prev: torch.Tensor, h: torch.Tensor, base: torch.Tensor,
-              state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """One sequential position: prev ids [R], h [R, d], base [R, Vd] -> (logits, conf logits [R], state)."""
-        emb, z = None, base
-        if self.markov_head is not None:
-            emb = self.markov_head.prev_embedding(prev)
-            bias, state = self.markov_head.step(emb, h, state)
-            z = base + bias.float()
-        conf = self.confidence_head(h, emb).float() if self.confidence_head is not None else None
-        return z, conf, state
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path, metadata: dict[str, Any] | None = None) -> None:

@@ -110,6 +110,7 @@ def greedy_logs(drafter, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
     if drafter.confidence_head is None:
         raise ValueError("this drafter has no confidence head: nothing to calibrate")
     g = drafter.config.block_size
+    runner = drafter.runner()  # the inference form's heads, on the training form's hidden states
     out_z, out_s, out_v, out_q = [], [], [], []
     seen = 0
     for ctx_f, ids, anchor_pos, anchor_valid, loss_mask in batches:
@@ -119,7 +120,7 @@ def greedy_logs(drafter, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
         pos = torch.where(anchor_valid, anchor_pos, 0)
         block_ids, _, h = drafter.block_states(ctx_f, ids, pos, anchor_valid)
         h = h.flatten(0, 1)
-        base = drafter._head(h)
+        base, conf_h = runner.heads(h)
         labels, valid = block_labels(ids, pos, anchor_valid, g, loss_mask)
         labels, valid = labels.flatten(0, 1), valid.flatten(0, 1)
         prev = block_ids[..., 0].flatten()
@@ -127,7 +128,7 @@ def greedy_logs(drafter, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
         state = mh.init_state((len(prev),), h) if mh is not None else None
         zs, hits = [], []
         for k in range(g):
-            z, conf, state = drafter._step(prev, h[:, k], base[:, k], state)
+            z, conf, state = runner.step(prev, h[:, k], base[:, k], conf_h[:, k], state)
             tok = z.argmax(-1)
             prev = drafter.d2t[tok] if drafter.d2t is not None else tok
             zs.append(conf)
