@@ -111,29 +111,17 @@ def profile(args) -> int:
 
 
 def demo(args) -> int:
-    """Plain decoding vs the chosen speculative method on one prompt: identical text, and the speedup."""
-    from dspark import LLM, SamplingParams
+    """Plain decoding vs the chosen speculative method on one prompt: both texts, the lossless verdict
+    and the speedup (a one-prompt `dspark bench race`)."""
+    from dspark.bench.offline import encode_prompts
+    from dspark.bench.race import format_race, race_methods, run_race
 
-    params = SamplingParams(max_tokens=args.max_tokens)
-    spec = speculative_options(args)
-    runs = []
-    for label, kw in (("plain decoding", {}), (spec["speculative_algorithm"], spec)):
-        # one request at a time: the planner's cost table needs no loaded steps (a shorter first-run profile)
-        llm = LLM(config=engine_config({**model_options(args), **kw, "max_num_seqs": 1}))
-        conv = [{"role": "user", "content": args.prompt}]
-        llm.chat(conv, SamplingParams(max_tokens=8))  # warm-up
-        t = time.perf_counter()
-        out = llm.chat(conv, params)[0]
-        runs.append((label, out, time.perf_counter() - t))
+    plain, method = race_methods(args)
+    ids = encode_prompts(plain.tokenizer, [args.prompt], False)
+    result = run_race(plain, method, [("demo prompt", ids[0])], args.max_tokens, plain.tokenizer, progress=False)
+    row = result["prompts"][0]
     print(f"prompt: {args.prompt}\n")
-    for label, out, sec in runs:
-        print(f"--- {label} ---\n{out.text}\n")
-    (_, base, t0), (label, fast, t1) = runs
-    identical = base.token_ids == fast.token_ids
-    print(f"{'method':<16}{'tokens':>8}{'tokens/s':>10}{'accept len':>12}")
-    for name, out, sec in runs:
-        acc = f"{out.mean_accept_length:.2f}" if name != "plain decoding" else "1.00"
-        print(f"{name:<16}{len(out.token_ids):>8}{len(out.token_ids) / sec:>10.1f}{acc:>12}")
-    speed0, speed1 = len(base.token_ids) / t0, len(fast.token_ids) / t1
-    print(f"\ntexts identical: {'yes' if identical else 'NO'}    speedup: {speed1 / speed0:.2f}x")
-    return 0 if identical else 1
+    print(f"--- plain decoding ---\n{row['plain_text']}\n")
+    print(f"--- {result['method']} ---\n{row['method_text']}\n")
+    print(format_race(result))
+    return 0 if result["identical"] else 1

@@ -245,3 +245,11 @@ def test_results_page_links_figures_from_docs(tmp_path):
     page_module.write_page(out, page)
     text = page.read_text()
     assert "bench/results_page.py" in text and "![tau by dataset](../bench/results/tau_by_dataset.png)" in text
+
+
+def test_demo_is_a_one_prompt_race(tiny_llama_dir, capsys):
+    rc = main(["demo", "--model", str(tiny_llama_dir), "--speculative-algorithm", "NGRAM", "--prompt",
+               "one two one two one two", "--max-tokens", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "--- plain decoding ---" in out and "--- ngram ---" in out
+    assert "LOSSLESS: 1/1 prompts identical" in out and "speedup" in out

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dspark.cli_args import add_model_args, add_speculative_args, engine_config, speculative_options
+from dspark.cli_args import add_model_args, add_speculative_args
 from dspark.speculative.config import VerifyMode, choices
 
 # --quick: a smoke run of a minute or two: plain decoding against DSpark's default planner only
@@ -215,9 +215,8 @@ def serve(args) -> int:
 
 def race(args) -> int:
     from dspark.bench.datasets import load_datasets
-    from dspark.bench.methods import EngineMethod, Setup, shared_target
     from dspark.bench.offline import encode_prompts
-    from dspark.bench.race import format_race, run_race
+    from dspark.bench.race import format_race, race_methods, run_race
 
     named = [(f"prompt {i}", p) for i, p in enumerate(args.prompt or [])]
     if args.dataset:
@@ -225,14 +224,7 @@ def race(args) -> int:
         named += [(f"{d.name}#{i}", p) for d in load_datasets(args.dataset, n) for i, p in enumerate(d.prompts)]
     if not named:
         raise ValueError("give prompts with --dataset PATH or --prompt TEXT")
-    spec = speculative_options(args)
-    engine_config(spec)  # its checks, with the flags named, before any model loads
-    label = spec["speculative_algorithm"].lower() + (f"-{spec['planner']}" if spec["speculative_algorithm"] == "DSPARK" else "")
-    setup = Setup(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-                  kv_cache_mb=256)
-    with shared_target():
-        plain = EngineMethod("ar", setup)
-        method = EngineMethod(label, setup, **spec)
+    plain, method = race_methods(args)
     ids = encode_prompts(plain.tokenizer, [p for _, p in named], args.raw)
     result = run_race(plain, method, [(n, i) for (n, _), i in zip(named, ids)],
                       _pick(args.max_tokens, args.quick, "max_tokens", 128), plain.tokenizer, not args.no_progress)

@@ -28,10 +28,31 @@ def divergence_context(tokenizer, base: list[int], other: list[int], at: int, wi
             "plain": show(base[at: at + width]), "method": show(other[at: at + width])}
 
 
+def race_methods(args):
+    """Plain decoding and the speculative method that the command's model and speculative flags name,
+    sharing one loaded target: the two sides of `dspark bench race` and `dspark demo`."""
+    from dspark.bench.methods import EngineMethod, Setup, shared_target
+    from dspark.cli_args import engine_config, speculative_options
+
+    spec = speculative_options(args)
+    engine_config(spec)  # its checks, with the flags named, before any model loads
+    algo = spec["speculative_algorithm"]
+    label = algo.lower() + (f"-{spec['planner']}" if algo == "DSPARK" else "")
+    setup = Setup(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+                  kv_cache_mb=256)
+    with shared_target():
+        return EngineMethod("ar", setup), EngineMethod(label, setup, **spec)
+
+
 def run_race(plain, method, prompts: list[tuple[str, list[int]]], max_tokens: int, tokenizer,
-             progress: bool = True) -> dict:
-    """Greedy, batch 1, interleaved per prompt. prompts: (name, token ids). Returns the 'race' section."""
+             progress: bool = True, warmup: int = 8) -> dict:
+    """Greedy, batch 1, interleaved per prompt. prompts: (name, token ids). Each side first answers the
+    first prompt with `warmup` tokens, untimed (one-time costs stay out of the speed). Returns the
+    'race' section; each prompt's row carries both texts."""
     params = [SamplingParams(max_tokens=max_tokens)]
+    if warmup and prompts:
+        for m in (plain, method):
+            m.run([prompts[0][1]], [SamplingParams(max_tokens=warmup)])
     seconds = {"plain": 0.0, "method": 0.0}
     tokens = {"plain": 0, "method": 0}
     acc = AcceptanceCounter()
@@ -48,7 +69,9 @@ def run_race(plain, method, prompts: list[tuple[str, list[int]]], max_tokens: in
         if out["method"].windows is not None:
             acc.add(out["method"].accept_lengths, out["method"].windows)
         at = first_divergence(a, b)
-        row = {"prompt": name, "tokens": len(a), "identical": at is None}
+        row = {"prompt": name, "tokens": len(a), "identical": at is None,
+               "plain_text": tokenizer.decode(a, skip_special_tokens=True),
+               "method_text": tokenizer.decode(b, skip_special_tokens=True)}
         if at is not None:
             row["divergence"] = divergence_context(tokenizer, a, b, at)
         results.append(row)
