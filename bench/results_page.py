@@ -84,13 +84,15 @@ def serve_runs(args, out: Path, sps: Path, datasets: list[str]) -> None:
                 proc.kill()
 
 
-def write_page(out: Path, page: Path) -> None:
-    """docs/results.md: the header, then results.md with figure links made relative to the page."""
+def write_page(out: Path, page: Path, argv: list[str]) -> None:
+    """docs/results.md: the header, the command of this run, then results.md with figure links made
+    relative to the page."""
     body = (out / "results.md").read_text().split("\n", 1)[1]  # drop its own title
+    run = "This page: `.venv/bin/python bench/results_page.py " + " ".join(argv) + "`.\n\n"
     here = Path(page).resolve().parent
     rel = Path(os.path.relpath(out.resolve(), here)).as_posix()
     body = re.sub(r"!\[([^\]]*)\]\(([^)/]+)\)", lambda m: f"![{m.group(1)}]({rel}/{m.group(2)})", body)
-    page.write_text(HEADER + body.lstrip("\n"))
+    page.write_text(HEADER + run + body.lstrip("\n"))
     print(f"wrote {page}", file=sys.stderr)
 
 
@@ -123,7 +125,7 @@ def main() -> int:
     rc |= dspark(offline)
     if not args.no_serve:
         serve_runs(args, out, sps, datasets)
-    write_page(out, Path(args.page))
+    write_page(out, Path(args.page), sys.argv[1:])
     return rc
 
 

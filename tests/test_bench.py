@@ -242,9 +242,10 @@ def test_results_page_links_figures_from_docs(tmp_path):
     (out / "results.md").write_text("# title\n\n| a |\n|---|\n\n![tau by dataset](tau_by_dataset.png)\n")
     page = tmp_path / "docs" / "results.md"
     page.parent.mkdir()
-    page_module.write_page(out, page)
+    page_module.write_page(out, page, ["--eval-dir", "E", "--num-prompts", "3"])
     text = page.read_text()
     assert "bench/results_page.py" in text and "![tau by dataset](../bench/results/tau_by_dataset.png)" in text
+    assert "This page: `.venv/bin/python bench/results_page.py --eval-dir E --num-prompts 3`" in text
 
 
 def test_demo_is_a_one_prompt_race(tiny_llama_dir, capsys):
@@ -253,3 +254,11 @@ def test_demo_is_a_one_prompt_race(tiny_llama_dir, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "--- plain decoding ---" in out and "--- ngram ---" in out
     assert "LOSSLESS: 1/1 prompts identical" in out and "speedup" in out
+
+
+def test_calibration_source_is_shown_relative_to_the_working_directory(tmp_path, monkeypatch):
+    from dspark.bench.calibration import _shown
+
+    monkeypatch.chdir(tmp_path)
+    assert _shown(tmp_path / "ckpt" / "sts.json") == "ckpt/sts.json"
+    assert _shown("/elsewhere/sts.json") == "/elsewhere/sts.json"

@@ -53,6 +53,15 @@ def load_calibration(path: str | Path | None) -> dict | None:
     if not any((before, after, rel_before, rel_after)):
         return None
     diagram = Path(path).with_name("reliability.png")  # drawn by `dspark train calibrate` next to sts.json
-    return {"source": str(path), "temperatures": _floats(data.get("temperatures")), "ece_before": before,
+    return {"source": _shown(path), "temperatures": _floats(data.get("temperatures")), "ece_before": before,
             "ece_after": after, "held_out": held_out, "reliability_before": rel_before, "reliability_after": rel_after,
             "diagram": str(diagram) if diagram.is_file() else None}
+
+
+def _shown(path: str | Path) -> str:
+    """The path as a report shows it: relative to the working directory when inside it (no machine's
+    absolute paths in a committed report)."""
+    try:
+        return Path(path).resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return str(path)
