@@ -163,6 +163,23 @@ def _dense_block_mask(anchor_pos: torch.Tensor, seq_len: int, gamma: int) -> tor
     return torch.cat([ctx, own], dim=-1)
 
 
+def _dense_layers(model: DSparkDrafter, x: torch.Tensor, pos: torch.Tensor, ctx: list, mask: torch.Tensor):
+    """Reference drafter layers: one dense attention over [context ; block slots] under mask [B, T, S + T]
+    (True = attend), then the final norm. x [B, T, d] at positions pos [B, T]."""
+    import torch.nn.functional as F
+
+    for layer, (kc, vc) in zip(model.layers, ctx):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = a.query(h, pos, model.rotary).transpose(1, 2)
+        kb, vb = a.key_value(h, pos, model.rotary)
+        k, v = torch.cat([kc, kb], 1).transpose(1, 2), torch.cat([vc, vb], 1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=a.heads != a.kv_heads)
+        x = x + a.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.norm(x)
+
+
 def test_block_attention_equals_a_dense_mask_over_all_blocks():
     """The linear-in-anchors training attention is the dense masked pass over [context ; every block]."""
     from dspark.drafters.blocks import block_positions
@@ -175,23 +192,23 @@ def test_block_attention_equals_a_dense_mask_over_all_blocks():
     pos = block_positions(anchors, g)
     x = torch.randn(2, 4, g, D)
     fast = model.run_blocks(x, pos, ctx, anchors)
-    ref = x.flatten(1, 2)  # the dense reference: every block's keys, masked
-    for layer, kv in zip(model.layers, ctx):
-        ref = layer(ref, pos.flatten(1), kv, _dense_block_mask(anchors, 20, g), model.rotary)
-    torch.testing.assert_close(fast, model.norm(ref).view_as(fast), atol=2e-5, rtol=1e-4)
+    ref = _dense_layers(model, x.flatten(1, 2), pos.flatten(1), ctx, _dense_block_mask(anchors, 20, g))
+    torch.testing.assert_close(fast, ref.view_as(fast), atol=2e-5, rtol=1e-4)
 
 
 def test_block_attention_is_bidirectional():
+    from dspark.drafters.blocks import block_positions
+
     model = make()
     feats, _ = data(b=1, s=4)
     ctx = model.context_kv(feats, torch.arange(4).unsqueeze(0))
-    x = torch.randn(1, 4, D)
-    pos = torch.arange(4, 8).unsqueeze(0)
-    full = torch.ones(1, 4, 8, dtype=torch.bool)
-    ref = model.run_layers(x, pos, ctx, full)
+    anchors = torch.tensor([[4]])
+    pos = block_positions(anchors, 4)
+    x = torch.randn(1, 1, 4, D)
+    ref = model.run_blocks(x, pos, ctx, anchors)
     x2 = x.clone()
-    x2[0, 3] += 1.0  # the last slot influences the first
-    assert not torch.allclose(model.run_layers(x2, pos, ctx, full)[0, 0], ref[0, 0])
+    x2[0, 0, 3] += 1.0  # the last slot influences the first
+    assert not torch.allclose(model.run_blocks(x2, pos, ctx, anchors)[0, 0, 0], ref[0, 0, 0])
 
 
 def test_block_labels_follow_prefix_validity():

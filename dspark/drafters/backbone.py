@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.drafters.config import DrafterConfig
@@ -47,7 +46,7 @@ def block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, c
 
 
 class DrafterAttention(nn.Module):
-    """Block queries attend to injected context K/V and to the block's own K/V, under a given mask."""
+    """Block queries attend to injected context K/V and to their own block's K/V."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -89,18 +88,6 @@ class DrafterAttention(nn.Module):
         out = block_attention(q, kb, vb, ctx, ctx_len)
         return self.o_proj(out.reshape(b, a, g, self.heads * self.head_dim))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: KV, mask: torch.Tensor,
-                rotary: Rotary) -> torch.Tensor:
-        """x [B, T, d] block states; ctx K/V [B, S, kvh, hd]; mask [B, T, S+T] bool (True = attend)."""
-        b, t, _ = x.shape
-        q = self.query(x, positions, rotary)
-        kb, vb = self.key_value(x, positions, rotary)
-        k = torch.cat([ctx[0], kb], dim=1).transpose(1, 2)  # [B, kvh, S+T, hd]
-        v = torch.cat([ctx[1], vb], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1),
-                                             enable_gqa=self.heads != self.kv_heads)  # [B, H, T, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-
 
 class DrafterLayer(nn.Module):
     """Pre-norm decoder layer: KV-injected attention then SwiGLU MLP."""
@@ -111,13 +98,6 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: KV, mask: torch.Tensor,
-                rotary: Rotary) -> torch.Tensor:
-        """x [B, T, d] -> [B, T, d]."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx, mask, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
 
     def forward_blocks(self, x: torch.Tensor, positions: torch.Tensor, ctx: KV, ctx_len: torch.Tensor,
                        rotary: Rotary) -> torch.Tensor:
@@ -152,11 +132,4 @@ class Backbone(nn.Module):
         < ctx_len[:, a] -> final-normed hidden [B, A, g, d]."""
         for layer, kv in zip(self.layers, ctx):
             x = layer.forward_blocks(x, positions, kv, ctx_len, self.rotary)
-        return self.norm(x)
-
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, ctx: list[KV],
-                   mask: torch.Tensor) -> torch.Tensor:
-        """Block inputs x [B, T, d] at positions [B, T] -> final-normed hidden h [B, T, d]."""
-        for layer, kv in zip(self.layers, ctx):
-            x = layer(x, positions, kv, mask, self.rotary)
         return self.norm(x)

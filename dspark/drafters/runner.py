@@ -14,7 +14,7 @@ On a CPU with packed bf16 kernels every matrix is in oneDNN's packed layout. Dra
 bit-identical between batch shapes (verification keeps the output exact whatever is drafted), so calls
 are not padded to fixed row counts the way the target's are.
 
-The module form (DSparkDrafter.forward_train, Backbone.run_layers) stays the reference this must match
+The training form (DSparkDrafter.forward_train) stays the reference this must match
 (tests/test_drafter.py::test_train_matches_draft).
 """
 from __future__ import annotations
