@@ -55,7 +55,7 @@ def load_calibration(path: str | Path | None) -> dict | None:
     diagram = Path(path).with_name("reliability.png")  # drawn by `dspark train calibrate` next to sts.json
     return {"source": _shown(path), "temperatures": _floats(data.get("temperatures")), "ece_before": before,
             "ece_after": after, "held_out": held_out, "reliability_before": rel_before, "reliability_after": rel_after,
-            "diagram": str(diagram) if diagram.is_file() else None}
+            "diagram": _shown(diagram) if diagram.is_file() else None}
 
 
 def _shown(path: str | Path) -> str:

@@ -44,8 +44,10 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Line
     return partial(F.linear, weight=weight, bias=bias)
 
 
-def _cat_bias(*linears) -> torch.Tensor | None:
-    return None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+def _fused(linears, pack: bool) -> Linear:
+    """nn.Linears over the same input as one call: their outputs side by side."""
+    bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+    return _linear(torch.cat([lin.weight for lin in linears]), bias, pack)
 
 
 class _Layer:
@@ -56,8 +58,7 @@ class _Layer:
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm = a.q_norm if a.qk_norm else None
         self.k_norm = a.k_norm if a.qk_norm else None
-        self.qkv = _linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                           _cat_bias(a.q_proj, a.k_proj, a.v_proj), pack)
+        self.qkv = _fused([a.q_proj, a.k_proj, a.v_proj], pack)
         self.o = _linear(a.o_proj.weight, a.o_proj.bias, pack)
         self.gate_up = _linear(layer.mlp.gate_up.weight, layer.mlp.gate_up.bias, pack)
         self.down = _linear(layer.mlp.down.weight, layer.mlp.down.bias, pack)
@@ -76,9 +77,7 @@ class DraftRunner:
         self.layers = [_Layer(layer, pack) for layer in drafter.layers]
         self.fc = _linear(drafter.fc.weight, None, pack)
         attns = [layer.self_attn for layer in drafter.layers]
-        self.ctx_kv = _linear(torch.cat([torch.cat([a.k_proj.weight, a.v_proj.weight]) for a in attns]),
-                              None if attns[0].k_proj.bias is None else
-                              torch.cat([torch.cat([a.k_proj.bias, a.v_proj.bias]) for a in attns]), pack)
+        self.ctx_kv = _fused([lin for a in attns for lin in (a.k_proj, a.v_proj)], pack)
         self.ctx_k_norms = [a.k_norm for a in attns] if c.qk_norm else None
         d, mh, conf = c.hidden_size, drafter.markov_head, drafter.confidence_head
         w_conf = conf.proj.weight.detach() if conf is not None else None  # [1, d (+ r)]
