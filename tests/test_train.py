@@ -278,6 +278,7 @@ def _rank_main(rank: int, world: int, port: int, model, data, run_dir, out_path)
     tr.train_step(0)
     if rank == 0:
         torch.save(_params(tr), out_path)
+    torch.distributed.barrier()  # neither rank tears gloo down while the other still uses it (seen: SIGABRT)
     torch.distributed.destroy_process_group()
 
 
