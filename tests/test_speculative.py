@@ -287,3 +287,18 @@ def test_sts_path_offset_replaces_the_checkpoints_own(tiny_llama_dir, drafters, 
 
     torch.testing.assert_close(bias(), base + 0.5, atol=1e-2, rtol=0)
     torch.testing.assert_close(bias(sts_path=tmp_path / "other.json"), base - 0.25, atol=1e-2, rtol=0)
+
+
+def test_fewer_drafts_than_the_block_with_sts(tiny_llama_dir, drafters, sps_file, plain, tmp_path):
+    """A drafter calibrated for its whole block (one STS temperature per slot) serving fewer drafts per
+    round (`--speculative-num-steps` / `--block-size` below gamma): only the verified slots are scored."""
+    import shutil
+
+    src = tmp_path / "d"
+    shutil.copytree(drafters["DSPARK"], src)
+    (src / "sts.json").write_text(json.dumps({"temperatures": [0.9, 1.1, 1.3, 1.5]}))
+    for kw in (dict(planner="fixed"), dict(planner="throughput", sps_table=sps_file)):
+        llm = LLM(tiny_llama_dir, kv_cache_mb=8, speculative_algorithm="DSPARK", draft_model=src,
+                  num_speculative_tokens=2, **kw)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
+        assert llm.engine.stats.drafted > 0

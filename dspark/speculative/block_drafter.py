@@ -51,8 +51,8 @@ class BlockDrafterProposer:
         probs = [None] * len(seqs) if out.probs is None else list(out.probs[:, :n].float())
         conf = None
         if out.conf_logits is not None:
-            z = out.conf_logits.float().cpu()
-            conf = torch.sigmoid(z / self.sts if self.sts is not None else z)[:, :n].tolist()
+            z = out.conf_logits.float().cpu()[:, :n]  # drafts past max_drafts are never verified
+            conf = torch.sigmoid(z / self.sts if self.sts is not None else z).tolist()
         return Proposal(tokens=tokens, probs=probs, confidences=conf)
 
     @torch.inference_mode()
