@@ -113,6 +113,28 @@ def test_gradients_reach_every_own_weight():
     assert model.embed_weight.grad is None and model.lm_head.grad is None
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fewer_drafts_are_the_blocks_prefix(temperature: float):
+    """draft(num_drafts=n) makes the first n drafts of the whole block, with the same logits and
+    confidences (same seed: the same tokens when sampled); n outside 1..gamma is refused."""
+    model = make()
+    feats, ids = data(b=1, s=20)
+    g = model.config.block_size
+
+    def run(n=None):
+        gen = torch.Generator().manual_seed(3)
+        return model.draft([cache_for(model, feats[0], 9)], [int(ids[0, 9])], [9], temperature=temperature,
+                           generators=[gen], num_drafts=n)
+
+    whole, short = run(), run(2)
+    assert short.tokens.shape == (1, 2) and torch.equal(short.tokens, whole.tokens[:, :2])
+    torch.testing.assert_close(short.logits, whole.logits[:, :2])
+    torch.testing.assert_close(short.conf_logits, whole.conf_logits[:, :2])
+    for bad in (0, g + 1):
+        with pytest.raises(ValueError, match="num_drafts"):
+            run(bad)
+
+
 # ---- training forward == inference draft ---------------------------------------------------------
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -175,12 +175,34 @@ def test_throughput_planner_skips_drafting_only_when_it_cannot_pay() -> None:
     planner.plan(["r"], [[0.05, 0.05]])
     assert [planner.should_draft(["r"]) for _ in range(6)] == [False, False, True, False, False, True]
     assert planner.should_draft(["r", "new"])  # a new request has no confidences yet: draft
-    planner.plan(["r"], [[0.95, 0.95]])  # confidences came back up
+    planner.plan(["r"], [[0.95, 0.95]])  # confidences came back up: one round is not enough...
+    assert not planner.should_draft(["r"])
+    for _ in range(3):  # ...a run of good rounds brings drafting back
+        planner.plan(["r"], [[0.95, 0.95]])
     assert planner.should_draft(["r"])
     assert ThroughputPlanner(table).should_draft(["r"])  # no drafting times measured: always draft
     assert planner.draft_seconds(2) == pytest.approx(0.07) and planner.draft_seconds(8) == pytest.approx(0.22)
     with pytest.raises(ValueError, match="probe_every"):
         ThroughputPlanner(table, probe_every=0)
+
+
+def test_one_unlucky_round_does_not_stop_drafting() -> None:
+    """The skip decision reads a moving average of a request's rounds (from the prior), not its latest
+    row: on text where drafting pays, a round of low confidences must not switch drafting off until
+    the next probe."""
+    table = SPSTable({1: 10.0, 2: 9.5, 4: 9.0, 8: 8.0})
+    planner = ThroughputPlanner(table, draft_seconds={1: 0.02}, probe_every=8, prior=[0.8, 0.6])
+    for _ in range(4):
+        planner.plan(["r"], [[0.8, 0.75]])
+    planner.plan(["r"], [[0.02, 0.5]])  # one unlucky round
+    assert planner.should_draft(["r"])
+    for _ in range(8):  # a request whose drafts keep failing is switched off
+        planner.plan(["r"], [[0.02, 0.5]])
+    assert not planner.should_draft(["r"])
+    planner.release("r")
+    assert planner.should_draft(["r"])  # forgotten: back to the prior
+    with pytest.raises(ValueError, match="outlook_weight"):
+        ThroughputPlanner(table, outlook_weight=0.0)
 
 
 def test_make_planner() -> None:
@@ -270,7 +292,8 @@ def test_probes_are_rare_where_even_the_prior_cannot_pay() -> None:
     table = SPSTable({1: 10.0, 2: 9.5, 4: 9.0, 8: 8.0})
     def probes(prior: list[float]) -> list[bool]:
         planner = ThroughputPlanner(table, draft_seconds={1: 0.01}, probe_every=3, idle_probe_every=6, prior=prior)
-        planner.plan(["r"], [[0.05, 0.05]])  # the request's own confidences: nothing pays
+        for _ in range(12):  # the request's own confidences, round after round: nothing pays
+            planner.plan(["r"], [[0.05, 0.05]])
         return [planner.should_draft(["r"]) for _ in range(12)]
     assert probes([0.9, 0.8]) == [False, False, True] * 4  # the prior pays: probe every 3 rounds
     assert probes([0.1, 0.01]) == ([False] * 5 + [True]) * 2  # it does not: every 6

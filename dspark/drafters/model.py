@@ -210,11 +210,18 @@ class DSparkDrafter(Backbone):
     def draft(self, caches: Sequence[DrafterCache], anchors: Sequence[int], anchor_pos: Sequence[int], *,
               temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int] = -1,
               top_p: float | Sequence[float] = 1.0,
-              generators: Sequence[torch.Generator | None] | None = None) -> DraftOutput:
-        """Draft one block for each of R requests; sampling params may be scalars or per request."""
+              generators: Sequence[torch.Generator | None] | None = None,
+              num_drafts: int | None = None) -> DraftOutput:
+        """Draft one block for each of R requests; sampling params may be scalars or per request.
+        num_drafts (1..gamma, default gamma): only the first n drafts are made (the same n tokens a
+        whole block would start with; the later slots' heads are skipped)."""
         r, g = len(caches), self.config.block_size
         if r == 0 or not r == len(anchors) == len(anchor_pos):
             raise ValueError(f"draft needs one anchor and anchor position per cache, got {r} caches")
+        if num_drafts is not None:
+            if not 1 <= num_drafts <= g:
+                raise ValueError(f"num_drafts must be in 1..{g} (the block size), got {num_drafts}")
+            g = num_drafts
         for cache, p in zip(caches, anchor_pos):
             if cache.length > p:
                 raise ValueError(f"drafter cache holds {cache.length} positions but the anchor sits at {p}")
@@ -222,7 +229,7 @@ class DSparkDrafter(Backbone):
         prev = torch.as_tensor(list(anchors), dtype=torch.long, device=device)
         runner = self.runner()
         h, base, conf_h = runner.block(caches, prev, torch.as_tensor(list(anchor_pos), dtype=torch.long,
-                                                                     device=device))
+                                                                     device=device), g)
         params = _per_row(r, temperature, top_k, top_p)
         gens = list(generators) if generators is not None else [None] * r
         state = self.markov_head.init_state((r,), h) if self.markov_head is not None else None

@@ -127,10 +127,12 @@ class DraftRunner:
 
     # ---- one block per request ---------------------------------------------------------------------
     @torch.no_grad()
-    def block(self, caches: Sequence[DrafterCache], anchors: torch.Tensor,
-              anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The parallel pass: anchors, anchor_pos [R] -> (final-normed hidden [R, gamma, d], base logits
-        [R, gamma, Vd] fp32, the confidence logits' hidden half plus bias [R, gamma] fp32 or None)."""
+    def block(self, caches: Sequence[DrafterCache], anchors: torch.Tensor, anchor_pos: torch.Tensor,
+              num_drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The parallel pass: anchors, anchor_pos [R] -> (final-normed hidden [R, n, d], base logits
+        [R, n, Vd] fp32, the confidence logits' hidden half plus bias [R, n] fp32 or None) of the first
+        n = num_drafts (default gamma) slots. The backbone always runs the whole block (its slots attend
+        to each other); only the heads skip the slots nobody will verify."""
         dr, r, g = self.drafter, len(caches), self.gamma
         lengths = [c.length for c in caches]
         ctx = pad_sequence([c.kv[:c.length] for c in caches], batch_first=True)  # [R, L, layers, 2, kvh, hd]
@@ -144,7 +146,7 @@ class DraftRunner:
             x = x + self._attention(layer, layer.input_norm(x), ctx[:, :, i], mask, cos, sin, r)
             gate, up = layer.gate_up(layer.post_norm(x)).split(layer.intermediate, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        h = dr.norm(x).view(r, g, -1)
+        h = dr.norm(x.view(r, g, -1)[:, :num_drafts or g])
         return (h, *self.heads(h))
 
     def heads(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

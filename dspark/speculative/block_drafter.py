@@ -45,13 +45,13 @@ class BlockDrafterProposer:
             top_k=[s.params.top_k for s in seqs],
             top_p=[s.params.top_p for s in seqs],
             generators=[s.generator for s in seqs],
+            num_drafts=self.max_drafts,
         )
-        n = self.max_drafts
-        tokens = out.tokens[:, :n].tolist()
-        probs = [None] * len(seqs) if out.probs is None else list(out.probs[:, :n].float())
+        tokens = out.tokens.tolist()
+        probs = [None] * len(seqs) if out.probs is None else list(out.probs.float())
         conf = None
         if out.conf_logits is not None:
-            z = out.conf_logits.float().cpu()[:, :n]  # drafts past max_drafts are never verified
+            z = out.conf_logits.float().cpu()
             conf = torch.sigmoid(z / self.sts if self.sts is not None else z).tolist()
         return Proposal(tokens=tokens, probs=probs, confidences=conf)
 

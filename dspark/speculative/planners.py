@@ -252,13 +252,17 @@ class ThroughputPlanner(Planner):
     def __init__(self, table: SPSTable | None, variant: str = "lagged", lag: int = 2,
                  draft_seconds: dict[int, float] | None = None, probe_every: int = 8,
                  prior: Sequence[float] | None = None, idle_probe_every: int = 32,
-                 min_gain: float = 0.0) -> None:
+                 min_gain: float = 0.0, outlook_weight: float = 0.25) -> None:
         """variant in {"lagged", "algorithm1"}; lag = rounds between a confidence row and its use.
 
         draft_seconds: measured time of one drafting pass per batch size. With it, the drafter is
-        skipped in rounds where, by each request's latest confidences, that time and the SPS table,
-        no verify budget beats plain decoding; a request that has gone `probe_every` rounds without
-        drafts makes the round draft anyway, so its confidences stay current.
+        skipped in rounds where, by each request's outlook, that time and the SPS table, no verify
+        budget beats plain decoding; a request that has gone `probe_every` rounds without drafts
+        makes the round draft anyway, so its outlook stays current. A request's outlook is a moving
+        average of the prefix survival of its drafted rounds (each new row weighs `outlook_weight`,
+        starting from the prior): one round's confidences say little about the next round's, and a
+        skip lasts until the next probe, so deciding on the latest row alone skipped drafting after
+        every unlucky round even on text where drafting pays.
 
         prior: prefix survival per draft position (a_1 >= a_2 >= ...) that stands in for a request's
         confidences until it has its own: the rates measured on the drafter's held-out calibration
@@ -287,6 +291,10 @@ class ThroughputPlanner(Planner):
         if not 0.0 <= min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
         self.min_gain = min_gain
+        if not 0.0 < outlook_weight <= 1.0:
+            raise ValueError(f"outlook_weight must be in (0, 1], got {outlook_weight}")
+        self.outlook_weight = outlook_weight
+        self._outlook: dict[str | int, list[float]] = {}  # request id -> averaged prefix survival
         self.prior = _conditional(prior) if prior else None
         self.draft_table = dict(sorted((draft_seconds or {}).items()))
         # request id -> confidence rows of its last `lag` rounds, oldest first
@@ -330,8 +338,8 @@ class ThroughputPlanner(Planner):
                                                    context_tokens, self.min_gain))
         latest = []
         for rid in request_ids:
-            hist = self._history.get(rid)
-            latest.append(hist[-1] if hist else self.prior)  # None: no prior, so draft
+            outlook = self._outlook.get(rid)
+            latest.append(_conditional(outlook) if outlook else self.prior)  # None: no prior, so draft
         if (due or any(row is None for row in latest)
                 or speculation_pays(latest, self.table, t, extra_tokens, context_tokens, self.min_gain)):
             for rid in request_ids:
@@ -345,6 +353,8 @@ class ThroughputPlanner(Planner):
              extra_tokens: int = 0, context_tokens: int | None = None) -> list[int]:
         """Verify lengths for this round; the lagged variant also records conf for later rounds."""
         _check_batch(request_ids, conf)
+        for rid, row in zip(request_ids, conf):
+            self._update_outlook(rid, row)
         if self.variant == ThroughputVariant.ALGORITHM1:
             return plan_algorithm1(conf, self.table, early_stop=True, extra_tokens=extra_tokens,
                                    context_tokens=context_tokens)
@@ -367,9 +377,22 @@ class ThroughputPlanner(Planner):
             self._history.setdefault(rid, deque(maxlen=self.lag)).append([float(c) for c in row])
         return lengths
 
+    def _update_outlook(self, rid: str | int, row: Sequence[float]) -> None:
+        """Fold one drafted round's confidences into the request's averaged prefix survival."""
+        now = survival(row)
+        if not now:
+            return
+        old = self._outlook.get(rid)
+        if old is None:
+            old = survival(self._prior_row(len(now))) if self.prior is not None else now
+        old = old + [old[-1]] * (len(now) - len(old))  # rows as long as this one
+        w = self.outlook_weight
+        self._outlook[rid] = [(1.0 - w) * a + w * b for a, b in zip(old, now)]
+
     def release(self, request_id: str | int) -> None:
         """Drop the request's confidence history."""
         self._history.pop(request_id, None)
+        self._outlook.pop(request_id, None)
         self._undrafted.pop(request_id, None)
 
 
