@@ -164,7 +164,7 @@ class FixedDistributionProposer:
         q[:, 0] = 0.0
         self.q = q / q.sum(-1, keepdim=True)  # [GAMMA, V]
 
-    def propose(self, seqs):
+    def propose(self, seqs, num_drafts=None):
         tokens = [[int(sample(self.q[k : k + 1], s.generator)[0]) for k in range(GAMMA)] for s in seqs]
         return Proposal(tokens=tokens, probs=[self.q.clone() for _ in seqs], confidences=None)
 
@@ -178,7 +178,7 @@ class FixedDistributionProposer:
 class PointMassProposer(FixedDistributionProposer):
     """Deterministic drafts (probs None, like n-gram): the engine must treat them as point masses."""
 
-    def propose(self, seqs):
+    def propose(self, seqs, num_drafts=None):
         tokens = [[(s.tokens[-1] + 2 * k + 1) % VOCAB for k in range(GAMMA)] for s in seqs]
         return Proposal(tokens=tokens, probs=[None] * len(seqs), confidences=None)
 
@@ -310,7 +310,7 @@ class PeekingProposer(FixedDistributionProposer):
     """Broken: reports confidence 1 for drafts in {1, 2} and 0 otherwise, so a threshold planner decides
     whether x_k is verified from x_k itself (the losslessness rule in dspark/spec/planners.py)."""
 
-    def propose(self, seqs):
+    def propose(self, seqs, num_drafts=None):
         p = super().propose(seqs)
         conf = [[1.0 if x in (1, 2) else 0.0 for x in row] for row in p.tokens]
         return Proposal(tokens=p.tokens, probs=p.probs, confidences=conf)

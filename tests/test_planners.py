@@ -319,3 +319,32 @@ def test_min_gain_keeps_break_even_speculation_off() -> None:
     for bad in (-0.01, 1.0):
         with pytest.raises(ValueError, match="min_gain"):
             ThroughputPlanner(table, min_gain=bad)
+
+
+def test_lagged_budget_bounds_the_drafts_made() -> None:
+    """The lagged budget is known before drafting, so a round drafts no more than it (a budget of 0,
+    a refresh round, drafts the whole block); history rows of a short round are continued to the
+    full width, so later budgets are not capped at it."""
+    table = SPSTable({1: 10.0, 2: 9.9, 3: 9.8, 4: 6.0, 8: 3.0})  # a cliff after 3 tokens
+    planner = ThroughputPlanner(table, prior=[0.9, 0.8, 0.7, 0.6])
+    assert planner.num_drafts(["r"], 7) == 2  # 1 + 2 drafts = 3 tokens, the widest before the cliff
+    assert planner.plan(["r"], [[0.9, 0.9]]) == [2]
+    assert len(planner._history["r"][-1]) == 7
+    assert planner.num_drafts(["r", "s"], 7) == 1  # two requests: 2 + 1 tokens, the widest before the cliff
+    poor = ThroughputPlanner(table, prior=[0.01, 0.0001])
+    assert poor.num_drafts(["r"], 7) == 7  # budget 0: a refresh round drafts everything
+    assert ThroughputPlanner(table, variant="algorithm1", prior=[0.9]).num_drafts(["r"], 7) == 7
+    assert FixedPlanner().num_drafts(["r"], 5) == 5
+
+
+def test_drafting_time_follows_the_drafts_a_round_makes() -> None:
+    """With one-draft rounds measured too, a round's drafting cost is priced at its budget's width:
+    a prior that pays for one cheap draft is not refused for the price of a whole block."""
+    table = SPSTable({1: 10.0, 2: 9.9, 3: 5.0})
+    kw = dict(draft_seconds={1: 0.07}, prior=[0.5, 0.05])
+    planner = ThroughputPlanner(table, draft_seconds_one={1: 0.01}, block_size=7, **kw)
+    assert planner.draft_seconds(1) == pytest.approx(0.07)
+    assert planner.draft_seconds(1, 4) == pytest.approx(0.04) and planner.draft_seconds(1, 9) == pytest.approx(0.07)
+    assert planner.should_draft(["new"])  # 1.5 tokens / (0.101 s + 0.01 s) beats 10 tokens/s
+    assert not ThroughputPlanner(table, **kw).should_draft(["new"])  # priced as a whole block: 0.171 s
+    assert speculation_pays([[0.5]], table, draft_seconds=lambda k: 0.01 * k)

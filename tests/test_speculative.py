@@ -255,8 +255,8 @@ def test_accepted_drafts_feed_the_drafter_context(tiny_llama_dir, drafters, sps_
     real_propose = proposer.propose
     truth = {tuple(p): p + out for p, out in zip(PROMPTS, plain)}
 
-    def oracle(seqs):
-        proposal = real_propose(seqs)
+    def oracle(seqs, num_drafts=None):
+        proposal = real_propose(seqs, num_drafts)
         for seq, toks in zip(seqs, proposal.tokens):
             assert proposer._caches[seq.request_id].length == seq.num_cached == seq.num_tokens - 1
             full = truth[tuple(seq.prompt_token_ids)]
@@ -290,15 +290,16 @@ def test_sts_path_offset_replaces_the_checkpoints_own(tiny_llama_dir, drafters, 
 
 
 def test_fewer_drafts_than_the_block_with_sts(tiny_llama_dir, drafters, sps_file, plain, tmp_path):
-    """A drafter calibrated for its whole block (one STS temperature per slot) serving fewer drafts per
-    round (`--speculative-num-steps` / `--block-size` below gamma): only the verified slots are scored."""
+    """A drafter calibrated for its whole block (one STS temperature per slot) making fewer drafts per
+    round (`--block-size` below gamma, or a throughput budget below it): only the drafted slots are scored."""
     import shutil
 
     src = tmp_path / "d"
     shutil.copytree(drafters["DSPARK"], src)
     (src / "sts.json").write_text(json.dumps({"temperatures": [0.9, 1.1, 1.3, 1.5]}))
-    for kw in (dict(planner="fixed"), dict(planner="throughput", sps_table=sps_file)):
-        llm = LLM(tiny_llama_dir, kv_cache_mb=8, speculative_algorithm="DSPARK", draft_model=src,
-                  num_speculative_tokens=2, **kw)
+    for kw in (dict(planner="fixed", num_speculative_tokens=2),
+               dict(planner="throughput", sps_table=sps_file, num_speculative_tokens=2),
+               dict(planner="throughput", sps_table=sps_file)):  # the table's cliff: budgets below the block
+        llm = LLM(tiny_llama_dir, kv_cache_mb=8, speculative_algorithm="DSPARK", draft_model=src, **kw)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
         assert llm.engine.stats.drafted > 0

@@ -229,10 +229,13 @@ class LLMEngine:
         if not seqs or self.proposer.max_drafts == 0:
             return self.proposer.propose(seqs)
         ids = [s.request_id for s in seqs]
-        if self.verify_mode != VerifyMode.STATIC and not self.planner.should_draft(ids, prefill_tokens, context):
+        if self.verify_mode == VerifyMode.STATIC:
+            return self.proposer.propose(seqs)
+        if not self.planner.should_draft(ids, prefill_tokens, context):
             self.stats.skipped_drafting += 1
             return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs), confidences=None)
-        return self.proposer.propose(seqs)
+        return self.proposer.propose(seqs, self.planner.num_drafts(ids, self.proposer.max_drafts, prefill_tokens,
+                                                                   context))
 
     def _couple(self, seqs: list[Sequence], proposal: Proposal) -> Proposal:
         """Seeded sampled requests draft with the noise their verification will use (sampling/keyed.py),

@@ -33,7 +33,7 @@ class BlockDrafterProposer:
         self._pending: dict[str, list[tuple[int, torch.Tensor]]] = {}  # request -> (start, hidden) not yet fed
 
     @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence]) -> Proposal:
+    def propose(self, seqs: Seq[Sequence], num_drafts: int | None = None) -> Proposal:
         if not seqs:
             return Proposal(tokens=[], probs=[], confidences=[])
         self._feed([s.request_id for s in seqs])
@@ -45,14 +45,14 @@ class BlockDrafterProposer:
             top_k=[s.params.top_k for s in seqs],
             top_p=[s.params.top_p for s in seqs],
             generators=[s.generator for s in seqs],
-            num_drafts=self.max_drafts,
+            num_drafts=min(self.max_drafts, num_drafts or self.max_drafts),
         )
         tokens = out.tokens.tolist()
         probs = [None] * len(seqs) if out.probs is None else list(out.probs.float())
         conf = None
         if out.conf_logits is not None:
             z = out.conf_logits.float().cpu()
-            conf = torch.sigmoid(z / self.sts if self.sts is not None else z).tolist()
+            conf = torch.sigmoid(z / self.sts[: z.shape[1]] if self.sts is not None else z).tolist()
         return Proposal(tokens=tokens, probs=probs, confidences=conf)
 
     @torch.inference_mode()

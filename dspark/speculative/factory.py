@@ -60,17 +60,22 @@ def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, 
     table = SPSTable.load(cfg.sps_table) if cfg.sps_table else load_or_profile(
         model_path, decoder, max_num_seqs * window, max_seqs=max_num_seqs, window=window, progress=progress,
         profile=cfg.sps_profile)
-    draft_seconds = None
+    draft_seconds = draft_one = None
     if cfg.skip_drafting and hasattr(proposer, "drafter"):
         sizes, repeats = drafting_grid(max_num_seqs, cfg.sps_profile)
-        draft_seconds = profile_drafting(proposer.drafter, sizes, decoder=decoder, table=table, repeats=repeats)
+        draft_seconds = profile_drafting(proposer.drafter, sizes, decoder=decoder, table=table, repeats=repeats,
+                                         num_drafts=proposer.max_drafts)
+        if proposer.max_drafts > 1:  # rounds that draft less than the block (the lagged budget) cost less
+            draft_one = profile_drafting(proposer.drafter, sizes, decoder=decoder, table=table, repeats=repeats,
+                                         num_drafts=1)
     prior = getattr(getattr(proposer, "drafter", None), "survival_prior", None)
     if cfg.sts_path:
         from dspark.drafters.io import read_survival_prior
 
         prior = read_survival_prior(Path(cfg.sts_path)) or prior
     return make_planner("throughput", table, variant=cfg.throughput_variant, draft_seconds=draft_seconds,
-                        prior=prior, min_gain=cfg.min_gain)
+                        draft_seconds_one=draft_one, block_size=proposer.max_drafts, prior=prior,
+                        min_gain=cfg.min_gain)
 
 
 def _check_compatible(drafter, decoder: Decoder, path: Path) -> None:

@@ -43,10 +43,11 @@ class NgramProposer:
                              f"{num_drafts}, {min_n}, {max_n}")
         self.max_drafts, self.max_n, self.min_n = num_drafts, max_n, min_n
 
-    def propose(self, seqs):
+    def propose(self, seqs, num_drafts: int | None = None):
         from dspark.speculative.proposer import Proposal
 
-        tokens = [propose_ngram(s.tokens, self.max_drafts, self.max_n, self.min_n) for s in seqs]
+        k = min(self.max_drafts, num_drafts or self.max_drafts)
+        tokens = [propose_ngram(s.tokens, k, self.max_n, self.min_n) for s in seqs]
         return Proposal(tokens=tokens, probs=[None] * len(seqs), confidences=None)
 
     def observe(self, seq, hidden, start) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from dspark.speculative.config import PlannerKind, ThroughputVariant, choices
 from dspark.speculative.cost_table import SPSTable
@@ -116,6 +116,24 @@ def plan_algorithm1(
     return _lengths_from_prefix(num_requests, pool[:best_len])
 
 
+def lagged_budget(lagged: Sequence[Sequence[float]], table: SPSTable, cap: int, extra_tokens: int = 0,
+                  context_tokens: int | None = None, min_gain: float = 0.0) -> int:
+    """The verify budget K of plan_lagged_topk: argmax over K in 0..cap of (R + the K largest lagged
+    survival probs) x SPS(R + K) (first maximum), or 0 unless it beats K = 0 by min_gain."""
+    num_requests = len(lagged)
+    ranked = sorted((a for row in lagged for a in survival(row)), reverse=True)
+    base = num_requests + extra_tokens
+    gain = float(base)
+    plain = gain * table.sps(base, num_requests, context_tokens)
+    best, budget = plain, 0
+    for k in range(1, cap + 1):
+        gain += ranked[k - 1] if k - 1 < len(ranked) else 0.0
+        theta = gain * table.sps(base + k, num_requests, context_tokens)
+        if theta > best:
+            best, budget = theta, k
+    return 0 if best <= plain * (1.0 + min_gain) else budget
+
+
 def plan_lagged_topk(
     conf_now: Sequence[Sequence[float]],
     conf_lagged: Sequence[Sequence[float]],
@@ -143,18 +161,7 @@ def plan_lagged_topk(
     if num_requests == 0:
         return []
     cap = sum(len(row) for row in conf_now)  # value-independent upper bound on the budget
-    lagged = sorted((a for row in conf_lagged for a in survival(row)), reverse=True)
-    base = num_requests + extra_tokens
-    gain = float(base)
-    plain = gain * table.sps(base, num_requests, context_tokens)
-    best, budget = plain, 0
-    for k in range(1, cap + 1):
-        gain += lagged[k - 1] if k - 1 < len(lagged) else 0.0
-        theta = gain * table.sps(base + k, num_requests, context_tokens)
-        if theta > best:
-            best, budget = theta, k
-    if best <= plain * (1.0 + min_gain):
-        budget = 0
+    budget = lagged_budget(conf_lagged, table, cap, extra_tokens, context_tokens, min_gain)
     pool = _survival_pool([survival(row) for row in conf_now])
     return _lengths_from_prefix(num_requests, pool[:budget])
 
@@ -177,12 +184,14 @@ def _check_batch(request_ids: Sequence[Hashable], conf: Sequence[Sequence[float]
         raise ValueError(f"duplicate request ids in {list(request_ids)}")
 
 
-def speculation_pays(lagged: Sequence[Sequence[float]], table: SPSTable, draft_seconds: float,
-                     extra_tokens: int = 0, context_tokens: int | None = None, min_gain: float = 0.0) -> bool:
+def speculation_pays(lagged: Sequence[Sequence[float]], table: SPSTable,
+                     draft_seconds: float | Callable[[int], float], extra_tokens: int = 0,
+                     context_tokens: int | None = None, min_gain: float = 0.0) -> bool:
     """Whether drafting this round is expected to beat plain decoding, drafting time included.
 
     Plain: R tokens per 1 / SPS(R) seconds. Speculating with a budget of K drafts: R + (sum of the K
-    largest lagged survival probabilities) tokens per 1 / SPS(R + K) + draft_seconds. Inputs are fixed
+    largest lagged survival probabilities) tokens per 1 / SPS(R + K) + draft_seconds (a number, or a
+    function of K: a round drafts no more than its budget, see ThroughputPlanner.num_drafts). Inputs are fixed
     before this round's drafts exist, so skipping the drafter on this basis is lossless. extra_tokens
     (prefill sharing the pass) add to R on both sides; context_tokens as in plan_algorithm1. min_gain:
     drafting must beat plain decoding by at least this fraction of tokens/s.
@@ -194,9 +203,10 @@ def speculation_pays(lagged: Sequence[Sequence[float]], table: SPSTable, draft_s
     r = seqs + extra_tokens
     plain = r * table.sps(r, seqs, context_tokens)
     gain = float(r)
+    cost = draft_seconds if callable(draft_seconds) else lambda _k: draft_seconds
     for k, a in enumerate(sorted((a for row in lagged for a in survival(row)), reverse=True), start=1):
         gain += a
-        if gain / (1.0 / table.sps(r + k, seqs, context_tokens) + draft_seconds) > plain * (1.0 + min_gain):
+        if gain / (1.0 / table.sps(r + k, seqs, context_tokens) + cost(k)) > plain * (1.0 + min_gain):
             return True
     return False
 
@@ -215,6 +225,11 @@ class Planner(ABC):
                      context_tokens: int | None = None) -> bool:
         """Whether to run the drafter this round at all (asked before drafting)."""
         return True
+
+    def num_drafts(self, request_ids: Sequence[str | int], max_drafts: int, extra_tokens: int = 0,
+                   context_tokens: int | None = None) -> int:
+        """How many drafts per request this round can use (asked before drafting; default all)."""
+        return max_drafts
 
     def release(self, request_id: str | int) -> None:
         """Forget any state kept for a finished request (no-op for stateless planners)."""
@@ -252,7 +267,8 @@ class ThroughputPlanner(Planner):
     def __init__(self, table: SPSTable | None, variant: str = "lagged", lag: int = 2,
                  draft_seconds: dict[int, float] | None = None, probe_every: int = 8,
                  prior: Sequence[float] | None = None, idle_probe_every: int = 32,
-                 min_gain: float = 0.0, outlook_weight: float = 0.25) -> None:
+                 min_gain: float = 0.0, outlook_weight: float = 0.25,
+                 draft_seconds_one: dict[int, float] | None = None, block_size: int = 0) -> None:
         """variant in {"lagged", "algorithm1"}; lag = rounds between a confidence row and its use.
 
         draft_seconds: measured time of one drafting pass per batch size. With it, the drafter is
@@ -271,6 +287,9 @@ class ThroughputPlanner(Planner):
         (survival 1) and always drafts. Where even the prior cannot pay at the round's load (a long
         batch: every draft costs more than a typical one brings), probes come only every
         `idle_probe_every` rounds: a probe is a full drafting pass, and most find nothing to verify.
+
+        draft_seconds_one and block_size: the same rounds with one draft instead of block_size; with
+        them a round's cost follows its lagged budget (num_drafts), not the whole block's.
 
         min_gain: speculation (drafting, and a lagged verify budget) must beat plain decoding by this
         fraction of expected tokens/s. The SPS table and drafting times are measurements with errors of
@@ -295,15 +314,28 @@ class ThroughputPlanner(Planner):
             raise ValueError(f"outlook_weight must be in (0, 1], got {outlook_weight}")
         self.outlook_weight = outlook_weight
         self._outlook: dict[str | int, list[float]] = {}  # request id -> averaged prefix survival
+        self._width = 0  # the widest block asked for (num_drafts): history rows are this long
         self.prior = _conditional(prior) if prior else None
         self.draft_table = dict(sorted((draft_seconds or {}).items()))
+        self.draft_one = dict(sorted((draft_seconds_one or {}).items()))  # rounds of one draft
+        self.block_size = block_size  # the drafts of a whole block (draft_seconds' rounds)
         # request id -> confidence rows of its last `lag` rounds, oldest first
         self._history: dict[str | int, deque[list[float]]] = {}
         self._undrafted: dict[str | int, int] = {}  # request id -> rounds since it last drafted
 
-    def draft_seconds(self, num_requests: int) -> float | None:
-        """Drafting time for a batch: linear between measured sizes, proportional beyond the largest."""
-        pts = self.draft_table
+    def draft_seconds(self, num_requests: int, num_drafts: int | None = None) -> float | None:
+        """Drafting time for a batch: linear between measured sizes, proportional beyond the largest.
+        With num_drafts below the block (and the one-draft times measured), linear between a round of
+        one draft and a whole block: the heads run per draft, the backbone once."""
+        whole = self._interpolate(self.draft_table, num_requests)
+        if whole is None or num_drafts is None or not self.draft_one or self.block_size <= 1 \
+                or num_drafts >= self.block_size:
+            return whole
+        one = self._interpolate(self.draft_one, num_requests)
+        return one + (whole - one) * (max(num_drafts, 1) - 1) / (self.block_size - 1)
+
+    @staticmethod
+    def _interpolate(pts: dict[int, float], num_requests: int) -> float | None:
         if not pts:
             return None
         if num_requests in pts:
@@ -329,9 +361,13 @@ class ThroughputPlanner(Planner):
         judged by the prior (with no prior, or no measured drafting time, the round drafts). A
         request that has gone `probe_every` rounds without drafts (`idle_probe_every` where the
         prior cannot pay at this load) makes the round draft anyway, so its confidences stay current."""
-        t = self.draft_seconds(len(request_ids))
-        if t is None:
+        r = len(request_ids)
+        if self.draft_seconds(r) is None:
             return True
+
+        def t(budget: int) -> float:  # a round drafts min(block, budget) per request
+            return self.draft_seconds(r, min(budget, self.block_size or budget))
+
         idle = max(self._undrafted.get(rid, 0) + 1 for rid in request_ids)  # rounds without drafts, at most
         due = idle >= self.idle_probe_every or idle >= self.probe_every and (
             self.prior is None or speculation_pays([self.prior] * len(request_ids), self.table, t, extra_tokens,
@@ -358,8 +394,29 @@ class ThroughputPlanner(Planner):
         if self.variant == ThroughputVariant.ALGORITHM1:
             return plan_algorithm1(conf, self.table, early_stop=True, extra_tokens=extra_tokens,
                                    context_tokens=context_tokens)
-        lagged: list[Sequence[float]] = []
+        lagged = self._lagged_rows(request_ids, [len(row) for row in conf])
+        lengths = plan_lagged_topk(conf, lagged, self.table, extra_tokens, context_tokens, self.min_gain)
         for rid, row in zip(request_ids, conf):
+            self._history.setdefault(rid, deque(maxlen=self.lag)).append(self._widened(rid, row))
+        return lengths
+
+    def num_drafts(self, request_ids: Sequence[str | int], max_drafts: int, extra_tokens: int = 0,
+                   context_tokens: int | None = None) -> int:
+        """The lagged variant's verify budget is fixed before the round's drafts exist, and no request
+        can be given more drafts than the budget: drafting past it would only be thrown away. Where
+        the budget is 0 (a round the planner drafts to refresh confidences), the whole block."""
+        self._width = max(self._width, max_drafts)
+        if self.variant == ThroughputVariant.ALGORITHM1:
+            return max_drafts
+        lagged = self._lagged_rows(request_ids, [max_drafts] * len(request_ids))
+        budget = lagged_budget(lagged, self.table, max_drafts * len(request_ids), extra_tokens, context_tokens,
+                               self.min_gain)
+        return min(max_drafts, budget) if budget else max_drafts
+
+    def _lagged_rows(self, request_ids: Sequence[str | int], widths: Sequence[int]) -> list[Sequence[float]]:
+        """Each request's confidence row from `lag` rounds back, or a value-free stand-in."""
+        lagged: list[Sequence[float]] = []
+        for rid, width in zip(request_ids, widths):
             hist = self._history.get(rid)
             if hist is not None and len(hist) == self.lag:
                 lagged.append(hist[0])
@@ -371,11 +428,20 @@ class ThroughputPlanner(Planner):
                 # a value-free prior: the drafter's measured survival rates, or, without them,
                 # survival 1 at every position (optimistic: it may over-verify for `lag` rounds,
                 # whereas 0 would force plain decoding on every new request's first rounds).
-                lagged.append(self._prior_row(len(row)) or [1.0] * len(row))
-        lengths = plan_lagged_topk(conf, lagged, self.table, extra_tokens, context_tokens, self.min_gain)
-        for rid, row in zip(request_ids, conf):
-            self._history.setdefault(rid, deque(maxlen=self.lag)).append([float(c) for c in row])
-        return lengths
+                lagged.append(self._prior_row(width) or [1.0] * width)
+        return lagged
+
+    def _widened(self, rid: str | int, row: Sequence[float]) -> list[float]:
+        """A round's confidence row as history: a round that drafted fewer than the widest block
+        (num_drafts) continues it with the request's outlook, so a later budget is not capped at
+        this round's width. The outlook is built from earlier rounds only, so this stays value-free."""
+        out = [float(c) for c in row]
+        if len(out) >= self._width:
+            return out
+        outlook = self._outlook.get(rid)
+        tail = _conditional(outlook) if outlook else self._prior_row(self._width) or [1.0] * self._width
+        tail = tail + [tail[-1]] * (self._width - len(tail))
+        return out + tail[len(out):self._width]
 
     def _update_outlook(self, rid: str | int, row: Sequence[float]) -> None:
         """Fold one drafted round's confidences into the request's averaged prefix survival."""
@@ -385,9 +451,12 @@ class ThroughputPlanner(Planner):
         old = self._outlook.get(rid)
         if old is None:
             old = survival(self._prior_row(len(now))) if self.prior is not None else now
-        old = old + [old[-1]] * (len(now) - len(old))  # rows as long as this one
+        old = old + [old[-1]] * (len(now) - len(old))  # at least as long as this row
         w = self.outlook_weight
-        self._outlook[rid] = [(1.0 - w) * a + w * b for a, b in zip(old, now)]
+        new = [(1.0 - w) * a + w * b for a, b in zip(old, now)]
+        for c in _conditional(old)[len(now):]:  # positions this round did not draft keep their rates
+            new.append(new[-1] * c)
+        self._outlook[rid] = new
 
     def release(self, request_id: str | int) -> None:
         """Drop the request's confidence history."""

@@ -206,10 +206,12 @@ def drafting_grid(max_seqs: int, profile: str = "full") -> tuple[list[int], int]
 
 @torch.inference_mode()
 def profile_drafting(drafter, sizes: list[int], *, decoder: Decoder | None = None, table: SPSTable | None = None,
-                     context: int = 256, fed: int = 2, repeats: int = 5) -> dict[int, float]:
+                     context: int = 256, fed: int = 2, repeats: int = 5,
+                     num_drafts: int | None = None) -> dict[int, float]:
     """Seconds of one drafting round for each batch size in `sizes`: feeding `fed` newly committed
     positions per request into the drafter's context (one packed projection), then one block per
-    request over `context` cached positions. Median of `repeats` passes after a warm-up pass.
+    request over `context` cached positions (its first `num_drafts` drafts; default the whole block).
+    Median of `repeats` passes after a warm-up pass.
 
     With `decoder` and `table`, every drafting round is timed right after a plain one-token target
     step, as it runs in the engine (the step has just pushed the drafter's weights out of the CPU
@@ -237,7 +239,7 @@ def profile_drafting(drafter, sizes: list[int], *, decoder: Decoder | None = Non
                     steps.append(step)
             t = time.perf_counter()
             drafter.extend_many(caches[:r], [hidden[start:]] * r, [start] * r)
-            drafter.draft(caches[:r], [1] * r, [context] * r)
+            drafter.draft(caches[:r], [1] * r, [context] * r, num_drafts=num_drafts)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             if p:

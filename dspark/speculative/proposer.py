@@ -26,7 +26,8 @@ class Proposer(Protocol):
     max_drafts: int  # gamma: the widest proposal
     hidden_layers: tuple[int, ...]  # target layers whose outputs it needs (empty for none / n-gram)
 
-    def propose(self, seqs: Seq[Sequence]) -> Proposal: ...
+    def propose(self, seqs: Seq[Sequence], num_drafts: int | None = None) -> Proposal:
+        """Up to num_drafts (default max_drafts) drafts per request."""
 
     def observe(self, seq: Sequence, hidden: torch.Tensor | None, start: int) -> None:
         """Target hidden states [n, m*d] of newly committed positions start..start+n-1."""
@@ -41,7 +42,7 @@ class NoProposer:
     max_drafts = 0
     hidden_layers: tuple[int, ...] = ()
 
-    def propose(self, seqs: Seq[Sequence]) -> Proposal:
+    def propose(self, seqs: Seq[Sequence], num_drafts: int | None = None) -> Proposal:
         return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs), confidences=None)
 
     def observe(self, seq: Sequence, hidden: torch.Tensor | None, start: int) -> None:
