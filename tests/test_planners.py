@@ -348,3 +348,15 @@ def test_drafting_time_follows_the_drafts_a_round_makes() -> None:
     assert planner.should_draft(["new"])  # 1.5 tokens / (0.101 s + 0.01 s) beats 10 tokens/s
     assert not ThroughputPlanner(table, **kw).should_draft(["new"])  # priced as a whole block: 0.171 s
     assert speculation_pays([[0.5]], table, draft_seconds=lambda k: 0.01 * k)
+
+
+def test_outlook_blends_rounds_and_fills_undrafted_positions_from_the_prior() -> None:
+    table = SPSTable({1: 10.0, 2: 9.9, 4: 9.0})
+    planner = ThroughputPlanner(table, prior=[0.8, 0.4, 0.2])  # conditional rates 0.8, 0.5, 0.5
+    planner.plan(["r"], [[1.0]])  # a one-draft round: 0.75 x prior + 0.25 x this round
+    assert planner._outlook["r"] == pytest.approx([0.85])
+    planner.plan(["r"], [[1.0, 1.0, 1.0]])  # positions 2-3 were never drafted: the prior's rates fill them
+    assert planner._outlook["r"] == pytest.approx([0.8875, 0.56875, 0.409375])
+    planner.plan(["r"], [[0.0]])  # a short round keeps the later positions' rates
+    a1 = 0.75 * 0.8875
+    assert planner._outlook["r"] == pytest.approx([a1, a1 * 0.56875 / 0.8875, a1 * 0.409375 / 0.8875])

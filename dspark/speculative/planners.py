@@ -434,7 +434,8 @@ class ThroughputPlanner(Planner):
     def _widened(self, rid: str | int, row: Sequence[float]) -> list[float]:
         """A round's confidence row as history: a round that drafted fewer than the widest block
         (num_drafts) continues it with the request's outlook, so a later budget is not capped at
-        this round's width. The outlook is built from earlier rounds only, so this stays value-free."""
+        this round's width. A history row is read `lag` rounds later, when everything known in this
+        round is fixed, so continuing it with the outlook stays value-free."""
         out = [float(c) for c in row]
         if len(out) >= self._width:
             return out
@@ -448,10 +449,9 @@ class ThroughputPlanner(Planner):
         now = survival(row)
         if not now:
             return
-        old = self._outlook.get(rid)
-        if old is None:
-            old = survival(self._prior_row(len(now))) if self.prior is not None else now
-        old = old + [old[-1]] * (len(now) - len(old))  # at least as long as this row
+        old = self._outlook.get(rid) or (survival(self._prior_row(len(now))) if self.prior is not None else now)
+        for k in range(len(old), len(now)):  # at least as long as this row: the prior's rates beyond it
+            old = old + [old[-1] * (self._prior_row(k + 1)[k] if self.prior is not None else 1.0)]
         w = self.outlook_weight
         new = [(1.0 - w) * a + w * b for a, b in zip(old, now)]
         for c in _conditional(old)[len(now):]:  # positions this round did not draft keep their rates
