@@ -141,6 +141,7 @@ def plan_lagged_topk(
     extra_tokens: int = 0,
     context_tokens: int | None = None,
     min_gain: float = 0.0,
+    budget: int | None = None,
 ) -> list[int]:
     """docs/method.md#lagged-budget: budget K from lagged confidences by global argmax, spent on current top-K.
 
@@ -161,7 +162,8 @@ def plan_lagged_topk(
     if num_requests == 0:
         return []
     cap = sum(len(row) for row in conf_now)  # value-independent upper bound on the budget
-    budget = lagged_budget(conf_lagged, table, cap, extra_tokens, context_tokens, min_gain)
+    if budget is None:  # else computed by the caller from the same lagged rows before drafting
+        budget = lagged_budget(conf_lagged, table, cap, extra_tokens, context_tokens, min_gain)
     pool = _survival_pool([survival(row) for row in conf_now])
     return _lengths_from_prefix(num_requests, pool[:budget])
 
@@ -315,6 +317,7 @@ class ThroughputPlanner(Planner):
         self.outlook_weight = outlook_weight
         self._outlook: dict[str | int, list[float]] = {}  # request id -> averaged prefix survival
         self._width = 0  # the widest block asked for (num_drafts): history rows are this long
+        self._round_budget: tuple = (None, None)  # (round key, lagged budget) from num_drafts, for plan()
         self.prior = _conditional(prior) if prior else None
         self.draft_table = dict(sorted((draft_seconds or {}).items()))
         self.draft_one = dict(sorted((draft_seconds_one or {}).items()))  # rounds of one draft
@@ -395,7 +398,10 @@ class ThroughputPlanner(Planner):
             return plan_algorithm1(conf, self.table, early_stop=True, extra_tokens=extra_tokens,
                                    context_tokens=context_tokens)
         lagged = self._lagged_rows(request_ids, [len(row) for row in conf])
-        lengths = plan_lagged_topk(conf, lagged, self.table, extra_tokens, context_tokens, self.min_gain)
+        round_key, budget = self._round_budget
+        self._round_budget = (None, None)
+        lengths = plan_lagged_topk(conf, lagged, self.table, extra_tokens, context_tokens, self.min_gain,
+                                   budget if round_key == (tuple(request_ids), extra_tokens, context_tokens) else None)
         for rid, row in zip(request_ids, conf):
             self._history.setdefault(rid, deque(maxlen=self.lag)).append(self._widened(rid, row))
         return lengths
@@ -411,6 +417,8 @@ class ThroughputPlanner(Planner):
         lagged = self._lagged_rows(request_ids, [max_drafts] * len(request_ids))
         budget = lagged_budget(lagged, self.table, max_drafts * len(request_ids), extra_tokens, context_tokens,
                                self.min_gain)
+        # plan() of this round finds the same budget (its cap, the drafts made, is at least K): keep it
+        self._round_budget = ((tuple(request_ids), extra_tokens, context_tokens), budget)
         return min(max_drafts, budget) if budget else max_drafts
 
     def _lagged_rows(self, request_ids: Sequence[str | int], widths: Sequence[int]) -> list[Sequence[float]]:
@@ -451,7 +459,7 @@ class ThroughputPlanner(Planner):
             return
         old = self._outlook.get(rid) or (survival(self._prior_row(len(now))) if self.prior is not None else now)
         for k in range(len(old), len(now)):  # at least as long as this row: the prior's rates beyond it
-            old = old + [old[-1] * (self._prior_row(k + 1)[k] if self.prior is not None else 1.0)]
+            old = old + [old[-1] * (self.prior[min(k, len(self.prior) - 1)] if self.prior else 1.0)]
         w = self.outlook_weight
         new = [(1.0 - w) * a + w * b for a, b in zip(old, now)]
         for c in _conditional(old)[len(now):]:  # positions this round did not draft keep their rates
