@@ -334,6 +334,34 @@ def test_config_json_carries_speculators_fields(tmp_path: Path):
 
 
 # ---- batched inference ---------------------------------------------------------------------------
+def test_drafts_without_logits_are_the_same():
+    """return_logits=False (the engine's call) leaves logits out and changes nothing else."""
+    model = make()
+    feats, ids = data(b=1, s=20)
+    cache = cache_for(model, feats[0], 9)
+    full = model.draft([cache], [int(ids[0, 9])], [9])
+    lean = model.draft([cache], [int(ids[0, 9])], [9], return_logits=False)
+    assert lean.logits is None and torch.equal(lean.tokens, full.tokens)
+    assert torch.equal(lean.conf_logits, full.conf_logits)
+
+
+def test_later_rounds_of_other_shapes_match_single_requests():
+    """The batched context buffer is reused between rounds: a round of fewer, shorter requests after a
+    wide one must not see the earlier round's rows."""
+    model = make(markov_head_type="rnn")
+    feats, ids = data(b=3, s=20)
+    wide = [cache_for(model, feats[i], 17) for i in range(3)]
+    model.draft(wide, [int(ids[i, 17]) for i in range(3)], [17] * 3)
+    lengths = [3, 11]
+    caches = [cache_for(model, feats[i], n) for i, n in enumerate(lengths)]
+    anchors = [int(ids[i, n]) for i, n in enumerate(lengths)]
+    batch = model.draft(caches, anchors, lengths)
+    for i, n in enumerate(lengths):
+        one = model.draft([caches[i]], [anchors[i]], [n])
+        assert torch.equal(batch.tokens[i], one.tokens[0])
+        torch.testing.assert_close(batch.logits[i], one.logits[0], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("temperature", [0.0, [0.7, 0.0, 1.0]])
 def test_padding_does_not_change_requests(temperature):
     model = make(markov_head_type="rnn")

@@ -33,7 +33,7 @@ class DraftOutput:
 
     tokens: torch.Tensor  # [R, gamma] int64 target-vocab ids x1..x_gamma
     probs: torch.Tensor | None  # [R, gamma, V] fp32 distribution sampled from (one-hot if greedy); None: all greedy
-    logits: torch.Tensor  # [R, gamma, Vd] fp32 corrected logits (before warping)
+    logits: torch.Tensor | None  # [R, gamma, Vd] fp32 corrected logits (before warping); None if not asked for
     conf_logits: torch.Tensor | None  # [R, gamma] fp32; None without a confidence head
 
 
@@ -211,10 +211,12 @@ class DSparkDrafter(Backbone):
               temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int] = -1,
               top_p: float | Sequence[float] = 1.0,
               generators: Sequence[torch.Generator | None] | None = None,
-              num_drafts: int | None = None) -> DraftOutput:
+              num_drafts: int | None = None, return_logits: bool = True) -> DraftOutput:
         """Draft one block for each of R requests; sampling params may be scalars or per request.
         num_drafts (1..gamma, default gamma): only the first n drafts are made (the same n tokens a
-        whole block would start with; the later slots' heads are skipped)."""
+        whole block would start with; the later slots' heads are skipped). return_logits=False leaves
+        DraftOutput.logits None: the engine never reads them, and gathering them costs a copy of
+        R x n x Vd fp32 (7 MB at 16 requests)."""
         r, g = len(caches), self.config.block_size
         if r == 0 or not r == len(anchors) == len(anchor_pos):
             raise ValueError(f"draft needs one anchor and anchor position per cache, got {r} caches")
@@ -240,13 +242,14 @@ class DSparkDrafter(Backbone):
             prev = self.d2t[ids] if self.d2t is not None else ids
             tokens.append(prev)
             probs.append(p)
-            logits.append(z)
+            if return_logits:
+                logits.append(z)
             confs.append(conf)
         any_sampled = probs[0] is not None
         return DraftOutput(
             tokens=torch.stack(tokens, 1),
             probs=self.to_target_vocab(torch.stack(probs, 1)) if any_sampled else None,
-            logits=torch.stack(logits, 1),
+            logits=torch.stack(logits, 1) if return_logits else None,
             conf_logits=torch.stack(confs, 1) if self.confidence_head is not None else None,
         )
 

@@ -9,7 +9,11 @@ of a round that the drafts' survival pays back is worth spending. Here:
 - the LM head also computes the hidden half of the confidence logit (one extra row);
 - each sequential position costs one small matmul: the Markov bias and the token half of the
   confidence logit together (the vanilla head; gated and recurrent heads run their own step);
-- requests are padded into one batch and the block is one pass per layer, whatever their number.
+- requests are padded into one batch and the block is one pass per layer, whatever their number;
+- attention reads the context K/V as plain matrices (copied once per round into a buffer kept
+  between rounds) and joins context and block in the scores, not by copying K/V next to the block's;
+- the base logits stay in the drafter's dtype until a position is corrected (no whole-block fp32
+  copy), and the engine does not ask for the corrected logits at all.
 On a CPU with packed bf16 kernels every matrix is in oneDNN's packed layout. Drafts need not be
 bit-identical between batch shapes (verification keeps the output exact whatever is drafted), so calls
 are not padded to fixed row counts the way the target's are.
@@ -24,7 +28,6 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
 from dspark.drafters.blocks import block_positions, draft_mask
 from dspark.drafters.cache import DrafterCache
@@ -65,6 +68,30 @@ class _Layer:
         self.intermediate = layer.mlp.intermediate
 
 
+def _block_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, own_k: torch.Tensor,
+                     own_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of a block's queries q [R, h, g, hd] over the cached context ctx_k, ctx_v [R, kvh, L, hd]
+    followed by the block's own keys and values own_k, own_v [R, g, kvh, hd] (query heads grouped over
+    kv heads as in GQA); mask [R, 1, g, L + g] or None -> [R, h, g, hd].
+
+    Matmuls over the context (read where it lies) and over the block apart, joined in the scores, so
+    the context K/V are never copied next to the block's; an fp32 softmax. For a handful of queries
+    this is also cheaper than the fused CPU kernel, whose work is split by query blocks (at 16
+    requests it took ~3x as long)."""
+    r, h, g, hd = q.shape
+    kvh, length = ctx_k.shape[1], ctx_k.shape[2]
+    rows = q.reshape(r, kvh, (h // kvh) * g, hd)
+    scores = torch.cat([torch.matmul(rows, ctx_k.transpose(-1, -2)),
+                        torch.matmul(rows, own_k.permute(0, 2, 3, 1))], dim=-1).float()
+    scores = scores.view(r, kvh, h // kvh, g, length + g)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.view(r, 1, 1, g, length + g), float("-inf"))
+    probs = torch.softmax(scores.mul_(hd ** -0.5), dim=-1).to(q.dtype).view(r, kvh, (h // kvh) * g, -1)
+    out = torch.matmul(probs[..., :length], ctx_v)
+    out = out.add_(torch.matmul(probs[..., length:], own_v.transpose(1, 2)))
+    return out.view(r, h, g, hd)
+
+
 class DraftRunner:
     """Inference-only: extend_many() and draft() of a DSparkDrafter on fused weights. Built from the
     drafter's weights as they are; build a new one after the weights change."""
@@ -74,6 +101,7 @@ class DraftRunner:
         self.drafter = drafter
         self.num_heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.gamma, self.vd = c.block_size, c.draft_vocab
+        self._ctx_buf: torch.Tensor | None = None  # see _context
         self.layers = [_Layer(layer, pack) for layer in drafter.layers]
         self.fc = _linear(drafter.fc.weight, None, pack)
         attns = [layer.self_attn for layer in drafter.layers]
@@ -130,12 +158,12 @@ class DraftRunner:
     def block(self, caches: Sequence[DrafterCache], anchors: torch.Tensor, anchor_pos: torch.Tensor,
               num_drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The parallel pass: anchors, anchor_pos [R] -> (final-normed hidden [R, n, d], base logits
-        [R, n, Vd] fp32, the confidence logits' hidden half plus bias [R, n] fp32 or None) of the first
+        [R, n, Vd] (see heads()), the confidence logits' hidden half plus bias [R, n] fp32 or None) of the first
         n = num_drafts (default gamma) slots. The backbone always runs the whole block (its slots attend
         to each other); only the heads skip the slots nobody will verify."""
         dr, r, g = self.drafter, len(caches), self.gamma
         lengths = [c.length for c in caches]
-        ctx = pad_sequence([c.kv[:c.length] for c in caches], batch_first=True)  # [R, L, layers, 2, kvh, hd]
+        ctx = self._context(caches)  # [layers, 2, R, kvh, L, hd]
         mask = None
         if min(lengths) != max(lengths):
             mask = draft_mask(torch.as_tensor(lengths, device=anchors.device), max(lengths), g).unsqueeze(1)
@@ -143,23 +171,42 @@ class DraftRunner:
         cos, sin = dr.rotary.cos_sin(pos, ctx.dtype)
         x = dr.embed_weight[dr._block_ids(anchors)].reshape(r * g, -1).to(ctx.dtype)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, layer.input_norm(x), ctx[:, :, i], mask, cos, sin, r)
+            x = x + self._attention(layer, layer.input_norm(x), ctx[i], mask, cos, sin, r)
             gate, up = layer.gate_up(layer.post_norm(x)).split(layer.intermediate, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         h = dr.norm(x.view(r, g, -1)[:, :num_drafts or g])
         return (h, *self.heads(h))
 
+    def _context(self, caches: Sequence[DrafterCache]) -> torch.Tensor:
+        """The requests' cached context side by side, [layers, 2, R, kvh, L, hd] contiguous, with L the
+        longest (zeros past a request's own length), so every head's keys are one plain matrix for the
+        matmuls (a strided one is copied again inside them). Written into a buffer kept between rounds:
+        a fresh one costs page faults on every round."""
+        r, length = len(caches), max(c.length for c in caches)
+        ref = caches[0].kv
+        shape = (*ref.shape[:2], r, ref.shape[2], length, ref.shape[4])
+        need = shape[0] * shape[1] * r * shape[3] * length * shape[5]
+        if self._ctx_buf is None or self._ctx_buf.numel() < need:
+            self._ctx_buf = ref.new_empty(max(need, 2 * (self._ctx_buf.numel() if self._ctx_buf is not None else 0)))
+        ctx = self._ctx_buf[:need].view(shape)
+        for i, c in enumerate(caches):
+            ctx[:, :, i, :, :c.length] = c.filled()
+            if c.length < length:
+                ctx[:, :, i, :, c.length:] = 0
+        return ctx
+
     def heads(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Final-normed hidden h [..., d] -> (base logits [..., Vd] fp32, the confidence logit's hidden
-        half plus its bias [...] fp32, or None without a confidence head)."""
-        out = self.head(h).float()
+        """Final-normed hidden h [..., d] -> (base logits [..., Vd] in the drafter's dtype, converted to
+        fp32 one position at a time by step(); the confidence logit's hidden half plus its bias [...]
+        fp32, or None without a confidence head)."""
+        out = self.head(h)
         if self.conf is None:
             return out, None
-        return out[..., :self.vd], out[..., self.vd] + self.conf.proj.bias.float()
+        return out[..., :self.vd], out[..., self.vd].float() + self.conf.proj.bias.float()
 
     def _attention(self, layer: _Layer, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None,
                    cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
-        """x [R*gamma, d] normed; ctx [R, L, 2, kvh, hd] -> attention output after o_proj [R*gamma, d]."""
+        """x [R*gamma, d] normed; ctx [2, R, kvh, L, hd] -> attention output after o_proj [R*gamma, d]."""
         h, hkv, hd, g = self.num_heads, self.kv_heads, self.head_dim, self.gamma
         qkv = layer.qkv(x).view(r * g, h + 2 * hkv, hd)
         q, k, v = qkv.split([h, hkv, hkv], dim=1)
@@ -167,9 +214,8 @@ class DraftRunner:
             q, k = layer.q_norm(q), layer.k_norm(k)
         qk = apply_rotary(torch.cat([q, k], dim=1), cos, sin)
         q = qk[:, :h].view(r, g, h, hd).transpose(1, 2)
-        keys = torch.cat([ctx[:, :, 0], qk[:, h:].view(r, g, hkv, hd)], dim=1).transpose(1, 2)
-        vals = torch.cat([ctx[:, :, 1], v.reshape(r, g, hkv, hd)], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=h != hkv)
+        out = _block_attention(q, ctx[0], ctx[1], qk[:, h:].view(r, g, hkv, hd),
+                               v.reshape(r, g, hkv, hd), mask)
         return layer.o(out.transpose(1, 2).reshape(r * g, h * hd))
 
     # ---- the sequential heads ------------------------------------------------------------------------
@@ -178,7 +224,7 @@ class DraftRunner:
         """One position: previous tokens prev [R] (target ids), hidden h [R, d], base logits [R, Vd] and the
         confidence's hidden half [R] -> (corrected logits [R, Vd], confidence logits [R], next state)."""
         if self.markov is None:
-            return base, conf, state
+            return base.float(), conf, state
         emb = self.markov.prev_embedding(prev)
         if self.token_rows is not None:  # vanilla: bias and the confidence's token half in one product
             rows = self.token_rows(emb).float()

@@ -46,6 +46,7 @@ class BlockDrafterProposer:
             top_p=[s.params.top_p for s in seqs],
             generators=[s.generator for s in seqs],
             num_drafts=min(self.max_drafts, num_drafts or self.max_drafts),
+            return_logits=False,
         )
         tokens = out.tokens.tolist()
         probs = [None] * len(seqs) if out.probs is None else list(out.probs.float())

@@ -239,7 +239,7 @@ def profile_drafting(drafter, sizes: list[int], *, decoder: Decoder | None = Non
                     steps.append(step)
             t = time.perf_counter()
             drafter.extend_many(caches[:r], [hidden[start:]] * r, [start] * r)
-            drafter.draft(caches[:r], [1] * r, [context] * r, num_drafts=num_drafts)
+            drafter.draft(caches[:r], [1] * r, [context] * r, num_drafts=num_drafts, return_logits=False)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             if p:
