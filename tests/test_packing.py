@@ -88,7 +88,7 @@ def test_invariant_attention_rows_do_not_depend_on_the_window(heads, kv_heads):
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, 8, 16, generator=gen)
-    k, v = torch.randn(2, 1, kv_heads, 64, 16, generator=gen)
+    k, v = torch.randn(2, kv_heads, 1, 64, 16, generator=gen)  # the cache's [Hkv, B, S, hd]
     mask = torch.ones(1, 1, 8, 64, dtype=torch.bool).tril(40)
     full = invariant_attention(q, k, v, mask)
     for row in range(8):
@@ -105,7 +105,7 @@ def test_invariant_attention_rows_do_not_depend_on_the_key_padding(position):
 
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 9, 8, 64, generator=gen)
-    k, v = torch.randn(2, 1, 3, 1280, 64, generator=gen)
+    k, v = torch.randn(2, 3, 1, 1280, 64, generator=gen)  # the cache's [Hkv, B, S, hd]
 
     def rows(nq: int, keys: int) -> torch.Tensor:
         mask = torch.arange(keys)[None, :] <= (position + torch.arange(nq))[:, None]

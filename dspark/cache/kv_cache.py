@@ -25,6 +25,9 @@ class AttentionGroup:
 
     rows: torch.Tensor | None  # [Tg] this group's tokens among the batch's T; None = all T, in order
     kv_index: torch.Tensor  # [Bg, S] flat cache rows each sequence reads (padded)
+    # kv_index for every K/V head of a layer's pool viewed as [2 * kv_heads * rows, head_dim]: one
+    # gather along the first axis (a gather along the pool's row axis, its second, runs ~2x slower)
+    kv_rows: torch.Tensor
     mask: torch.Tensor  # [Bg, 1, Qg, S] bool, True = may attend
     q_index: torch.Tensor | None  # [Tg] row of each token in the padded [Bg*Qg] layout; None when Bg == 1
     max_q: int
@@ -55,9 +58,11 @@ def blocks_for(tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
 
 
 class KVCache:
-    """Per-layer pools of keys and values side by side: kv[layer] is [num_blocks * block_size,
-    2 * kv_heads, head_dim], keys in the first kv_heads, values in the rest (so a layer writes and
-    gathers both with one call); `k` and `v` are views of the two halves."""
+    """Per-layer pools of keys and values side by side, head-major: kv[layer] is [2 * kv_heads,
+    num_blocks * block_size, head_dim], keys in the first kv_heads, values in the rest (so a layer
+    writes and gathers both with one call, and a gather lands as [2 * kv_heads, B, S, head_dim]:
+    every (head, sequence) a plain matrix that attention multiplies without another copy); `k` and
+    `v` are views of the two halves."""
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -67,8 +72,8 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError("KV cache needs at least one block")
         rows = num_blocks * block_size
-        self.kv = torch.zeros(num_layers, rows, 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.k, self.v = self.kv[:, :, :num_kv_heads], self.kv[:, :, num_kv_heads:]
+        self.kv = torch.zeros(num_layers, 2 * num_kv_heads, rows, head_dim, dtype=dtype, device=device)
+        self.k, self.v = self.kv[:, :num_kv_heads], self.kv[:, num_kv_heads:]
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_align = kv_align
@@ -182,5 +187,8 @@ class KVCache:
                 kv_start = first * self.block_size
         else:
             q_index = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(query_lens)]).to(self.device)
-        return AttentionGroup(rows=rows, kv_index=kv_index.to(self.device), mask=mask.unsqueeze(1).to(self.device),
-                              q_index=q_index, max_q=max_q, kv_start=kv_start)
+        heads, pool_rows = self.kv.shape[1], self.kv.shape[2]
+        kv_rows = (torch.arange(heads).view(-1, 1) * pool_rows + kv_index.view(1, -1)).view(-1)
+        return AttentionGroup(rows=rows, kv_index=kv_index.to(self.device), kv_rows=kv_rows.to(self.device),
+                              mask=mask.unsqueeze(1).to(self.device), q_index=q_index, max_q=max_q,
+                              kv_start=kv_start)

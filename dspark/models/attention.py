@@ -28,27 +28,30 @@ _NEG_INF = torch.tensor(float("-inf"))  # made once: a Python scalar in torch.wh
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, H, Q, hd] already scaled by 1/sqrt(hd), k/v [B, Hkv, S, hd], mask [B, 1, Q, S] bool -> [B, H, Q, hd]."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
+    """q [B, H, Q, hd] already scaled by 1/sqrt(hd), k/v [Hkv, B, S, hd] (the cache's head-major layout),
+    mask [B, 1, Q, S] bool -> [B, H, Q, hd]."""
+    return F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=1.0,
+                                          enable_gqa=q.shape[1] != k.shape[0])
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Same contract as sdpa_attention; fp32 inputs, S a multiple of KV_ALIGN."""
     b, h, nq, hd = q.shape
-    hkv = k.shape[1]
+    hkv = k.shape[0]
     g = h // hkv
     if g * nq < MIN_ROWS:  # few-row matmuls take other kernels (GEMV, small-M), which round differently
         pad = -(-MIN_ROWS // g)  # query rows so that the group's matmul has at least MIN_ROWS rows
         qp = torch.cat([q, q[:, :, -1:].expand(b, h, pad - nq, hd)], dim=2)
         mp = torch.cat([mask, mask[:, :, -1:].expand(b, 1, pad - nq, mask.shape[-1])], dim=2)
         return invariant_attention(qp, k, v, mp)[:, :, :nq]
-    # one matmul per (sequence, kv head): the g query heads of a group share its keys
-    qg = q.reshape(b, hkv, g * nq, hd)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, nq, -1)
-    scores = torch.where(mask.view(b, 1, 1, nq, -1), scores, _NEG_INF)
-    probs = torch.softmax(scores, dim=-1).view(b, hkv, g * nq, -1)
+    # one matmul per (kv head, sequence): the g query heads of a group share its keys, which are read
+    # where the cache's gather put them (k [Hkv, B, S, hd]: K^T is a transposed view, not a copy)
+    qg = q.reshape(b, hkv, g * nq, hd).transpose(0, 1)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(hkv, b, g, nq, -1)
+    scores = torch.where(mask.view(1, b, 1, nq, -1), scores, _NEG_INF)
+    probs = torch.softmax(scores, dim=-1).view(hkv, b, g * nq, -1)
     c = probs.shape[-1] // KV_CHUNK
-    chunks = probs.view(b, hkv, g * nq, c, KV_CHUNK).transpose(2, 3)  # [B, Hkv, C, rows, KV_CHUNK]
-    parts = torch.matmul(chunks, v.view(b, hkv, c, KV_CHUNK, hd))  # [B, Hkv, C, rows, hd], same shape per chunk
+    chunks = probs.view(hkv, b, g * nq, c, KV_CHUNK).transpose(2, 3)  # [Hkv, B, C, rows, KV_CHUNK]
+    parts = torch.matmul(chunks, v.reshape(hkv, b, c, KV_CHUNK, hd))  # [Hkv, B, C, rows, hd], same shape per chunk
     out = parts.cumsum(dim=2)[:, :, -1]  # summed in key order: chunks past a row's keys add exact zeros
-    return out.reshape(b, h, nq, hd)
+    return out.transpose(0, 1).reshape(b, h, nq, hd)

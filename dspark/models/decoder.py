@@ -51,7 +51,7 @@ class Attention(nn.Module):
             qkv = torch.cat([self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + hkv]), qkv[:, h + hkv:]], dim=1)
         # one call rotates q (and scales it by 1/sqrt(hd)) and k; v passes through (cos 1, sin 0)
         qkv = apply_rotary(qkv, cos, sin)
-        kv_pool.index_copy_(0, meta.slot_mapping, qkv[:, h:])  # keys and values in one write
+        kv_pool.index_copy_(1, meta.slot_mapping, qkv[:, h:].transpose(0, 1))  # keys and values in one write
         q = qkv[:, :h]
         if len(meta.groups) == 1:
             return self.o_proj.forward(self._attend(q, kv_pool, meta.groups[0], dt))
@@ -65,10 +65,10 @@ class Attention(nn.Module):
         t, h, hkv = q.shape[0], self.h, self.hkv
         b, s = g.kv_index.shape
         if g.kv_start is not None:  # one sequence in consecutive blocks: a view, no gather
-            kvs = kv_pool[g.kv_start:g.kv_start + s].unsqueeze(0).transpose(1, 2)
+            kvs = kv_pool[:, g.kv_start:g.kv_start + s].unsqueeze(1)
         else:
-            kvs = kv_pool.index_select(0, g.kv_index.view(-1)).view(b, s, 2 * hkv, self.hd).transpose(1, 2)
-        keys, vals = kvs[:, :hkv], kvs[:, hkv:]
+            kvs = kv_pool.view(-1, self.hd).index_select(0, g.kv_rows).view(2 * hkv, b, s, self.hd)
+        keys, vals = kvs[:hkv], kvs[hkv:]  # [Hkv, B, S, hd]
         if g.q_index is None:  # one sequence: no padding
             qp = q.reshape(1, t, h, self.hd).transpose(1, 2)
         else:
