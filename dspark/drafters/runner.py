@@ -23,6 +23,7 @@ The training form (DSparkDrafter.forward_train) stays the reference this must ma
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -74,10 +75,11 @@ def _block_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, 
     followed by the block's own keys and values own_k, own_v [R, g, kvh, hd] (query heads grouped over
     kv heads as in GQA); mask [R, 1, g, L + g] or None -> [R, h, g, hd].
 
-    Matmuls over the context (read where it lies) and over the block apart, joined in the scores, so
-    the context K/V are never copied next to the block's; an fp32 softmax. For a handful of queries
-    this is also cheaper than the fused CPU kernel, whose work is split by query blocks (at 16
-    requests it took ~3x as long)."""
+    Matmuls over the context and over the block apart, joined in the scores, so the context K/V are
+    never copied next to the block's; scores in the drafter's dtype, an fp32 softmax (the shipped
+    drafter's acceptance did not move against the fused kernel). For a handful of queries this is also
+    cheaper than the fused CPU kernel, whose work is split by query blocks (at 16 requests it took ~3x
+    as long)."""
     r, h, g, hd = q.shape
     kvh, length = ctx_k.shape[1], ctx_k.shape[2]
     rows = q.reshape(r, kvh, (h // kvh) * g, hd)
@@ -180,14 +182,15 @@ class DraftRunner:
     def _context(self, caches: Sequence[DrafterCache]) -> torch.Tensor:
         """The requests' cached context side by side, [layers, 2, R, kvh, L, hd] contiguous, with L the
         longest (zeros past a request's own length), so every head's keys are one plain matrix for the
-        matmuls (a strided one is copied again inside them). Written into a buffer kept between rounds:
-        a fresh one costs page faults on every round."""
+        matmuls (a strided one is copied again inside them). Written into a buffer kept between rounds
+        (grown, never shrunk): a fresh one costs page faults on every round."""
         r, length = len(caches), max(c.length for c in caches)
         ref = caches[0].kv
         shape = (*ref.shape[:2], r, ref.shape[2], length, ref.shape[4])
-        need = shape[0] * shape[1] * r * shape[3] * length * shape[5]
-        if self._ctx_buf is None or self._ctx_buf.numel() < need:
-            self._ctx_buf = ref.new_empty(max(need, 2 * (self._ctx_buf.numel() if self._ctx_buf is not None else 0)))
+        need = math.prod(shape)
+        have = 0 if self._ctx_buf is None else self._ctx_buf.numel()
+        if have < need:
+            self._ctx_buf = ref.new_empty(max(need, 2 * have))
         ctx = self._ctx_buf[:need].view(shape)
         for i, c in enumerate(caches):
             ctx[:, :, i, :, :c.length] = c.filled()
