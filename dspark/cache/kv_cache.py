@@ -24,14 +24,14 @@ class AttentionGroup:
     """Sequences whose attention runs as one padded call: Bg sequences, Qg = their longest window."""
 
     rows: torch.Tensor | None  # [Tg] this group's tokens among the batch's T; None = all T, in order
-    kv_index: torch.Tensor  # [Bg, S] flat cache rows each sequence reads (padded)
-    # kv_index for every K/V head of a layer's pool viewed as [2 * kv_heads * rows, head_dim]: one
+    # [2 * kv_heads * Bg * S]: the cache rows each sequence reads (S of them, padding reads row 0,
+    # masked), for every K/V head, in a layer's pool viewed as [2 * kv_heads * rows, head_dim]: one
     # gather along the first axis (a gather along the pool's row axis, its second, runs ~2x slower)
     kv_rows: torch.Tensor
     mask: torch.Tensor  # [Bg, 1, Qg, S] bool, True = may attend
     q_index: torch.Tensor | None  # [Tg] row of each token in the padded [Bg*Qg] layout; None when Bg == 1
     max_q: int
-    # one sequence whose rows are consecutive in the pool: kv_index[0] is kv_start + arange(S), so
+    # one sequence whose rows are consecutive in the pool: it reads rows kv_start + arange(S), so
     # attention reads a view of the pool instead of gathering (the same layout, so the same numerics)
     kv_start: int | None = None
 
@@ -169,9 +169,6 @@ class KVCache:
                rows: torch.Tensor | None) -> AttentionGroup:
         totals = [st + q for st, q in zip(starts, query_lens)]
         max_s, max_q = -(-max(totals) // self.kv_align) * self.kv_align, max(query_lens)
-        kv_index = torch.zeros(len(seqs), max_s, dtype=torch.long)  # padding reads row 0, masked
-        for i, sl in enumerate(slots):
-            kv_index[i, : sl.numel()] = sl
         start_t = torch.tensor(starts).view(-1, 1, 1)
         qlen_t = torch.tensor(query_lens).view(-1, 1, 1)
         j = torch.arange(max_q).view(1, -1, 1)
@@ -187,8 +184,10 @@ class KVCache:
                 kv_start = first * self.block_size
         else:
             q_index = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(query_lens)]).to(self.device)
+        kv_index = torch.zeros(len(seqs), max_s, dtype=torch.long)  # padding reads row 0, masked
+        for i, sl in enumerate(slots):
+            kv_index[i, : sl.numel()] = sl
         heads, pool_rows = self.kv.shape[1], self.kv.shape[2]
-        kv_rows = (torch.arange(heads).view(-1, 1) * pool_rows + kv_index.view(1, -1)).view(-1)
-        return AttentionGroup(rows=rows, kv_index=kv_index.to(self.device), kv_rows=kv_rows.to(self.device),
-                              mask=mask.unsqueeze(1).to(self.device), q_index=q_index, max_q=max_q,
-                              kv_start=kv_start)
+        kv_rows = (torch.arange(heads).view(-1, 1) * pool_rows + kv_index.view(1, -1)).view(-1).to(self.device)
+        return AttentionGroup(rows=rows, kv_rows=kv_rows, mask=mask.unsqueeze(1).to(self.device), q_index=q_index,
+                              max_q=max_q, kv_start=kv_start)

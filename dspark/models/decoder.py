@@ -63,7 +63,7 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, kv_pool: torch.Tensor, g: AttentionGroup, dt: torch.dtype) -> torch.Tensor:
         """One group's attention: q [Tg, H, hd] (scaled, rotated) -> [Tg, H * hd] in dt."""
         t, h, hkv = q.shape[0], self.h, self.hkv
-        b, s = g.kv_index.shape
+        b, s = g.mask.shape[0], g.mask.shape[-1]
         if g.kv_start is not None:  # one sequence in consecutive blocks: a view, no gather
             kvs = kv_pool[:, g.kv_start:g.kv_start + s].unsqueeze(1)
         else:
