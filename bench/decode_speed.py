@@ -1,8 +1,8 @@
 """Decode speed on the embedded model, batch 1, greedy, one prompt, one thread count, side by side:
 dspark's engine in fp32, in bf16 with packed weights, and in bf16 with the model's own 4-bit weights
-(the GGUF's Q4_1 groups through PyTorch's int4 kernel: what dtype/quantization "auto" picks on AMX /
-AVX-512-bf16 CPUs) vs transformers' generate() in fp32 (its fastest CPU setting), plus the memory
-roofline per format (weight bytes / measured read bandwidth).
+(the GGUF's Q4_1 groups through dspark's own kernels, and through PyTorch's alone: the first is what
+dtype/quantization "auto" picks on AVX-512-bf16 CPUs) vs transformers' generate() in fp32 (its fastest CPU
+setting), plus the memory roofline per format (weight bytes / measured read bandwidth).
 
     .venv/bin/python bench/decode_speed.py [--tokens 128] [--repeats 3] [--json out.json]
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark import LLM, SamplingParams
 from dspark.bench.roofline import ceiling_tokens_per_s, read_bandwidth_gbs, weight_bytes
+from dspark.models import native
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -49,6 +51,10 @@ def main() -> None:
     engines = {"float32": LLM(dtype="float32", quantization="none"),
                "bfloat16": LLM(dtype="bfloat16", quantization="none"),
                "bfloat16_int4": LLM(dtype="bfloat16", quantization="int4")}
+    if native.library() is not None:  # the same weights on PyTorch's kernels alone, for comparison
+        os.environ[native.ENV] = "torch"
+        engines["bfloat16_int4_torch_kernels"] = LLM(dtype="bfloat16", quantization="int4")
+        del os.environ[native.ENV]
     path = engines["float32"].model_path
     tok = AutoTokenizer.from_pretrained(str(path))
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

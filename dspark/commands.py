@@ -9,7 +9,8 @@ from dspark.cli_args import add_model_args, add_speculative_args, engine_config,
 
 
 def register(sub) -> None:
-    p = sub.add_parser("prepare", help="convert the embedded default model once (safe to repeat)")
+    p = sub.add_parser("prepare", help="convert the embedded default model and build dspark's CPU kernels, "
+                                       "once (safe to repeat)")
     p.set_defaults(func=prepare)
 
     g = sub.add_parser("generate", help="answer one prompt, streaming the text")
@@ -44,9 +45,12 @@ def register(sub) -> None:
 
 
 def prepare(args) -> int:
+    from dspark.models import native
     from dspark.models.embedded import ensure_embedded_model
 
     print(ensure_embedded_model())
+    # build dspark's CPU kernels now, so that a first start does not
+    print("dspark kernels:", "built" if native.library() is not None else f"not used ({native.why()})")
     return 0
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models import native
 from dspark.models.loader import load_decoder, resolve_dtype
 from dspark.models.packing import PackedLinear, pack_linears, packing_supported
 from invariance import assert_embedded_rows_invariant, logits_by_chunks
@@ -80,8 +81,15 @@ def test_embedded_bf16_rows_do_not_depend_on_window_or_batch(embedded_dir):
     assert_embedded_rows_invariant(dec)
 
 
+# both routes of invariant_attention: dspark's kernel (where it runs) and PyTorch ops
+ATTENTION_ROUTES = [pytest.param(False, id="torch"),
+                    pytest.param(True, id="kernel", marks=pytest.mark.skipif(
+                        native.library() is None, reason=f"dspark's kernels do not run here: {native.why()}"))]
+
+
+@pytest.mark.parametrize("kernels", ATTENTION_ROUTES)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
-def test_invariant_attention_rows_do_not_depend_on_the_window(heads, kv_heads):
+def test_invariant_attention_rows_do_not_depend_on_the_window(heads, kv_heads, kernels):
     """A row's output is bit-identical alone or inside a window (MHA too, where one row would be a GEMV),
     and equals the reference attention up to fp32 rounding."""
     from dspark.models.attention import invariant_attention, sdpa_attention
@@ -90,15 +98,16 @@ def test_invariant_attention_rows_do_not_depend_on_the_window(heads, kv_heads):
     q = torch.randn(1, heads, 8, 16, generator=gen)
     k, v = torch.randn(2, kv_heads, 1, 64, 16, generator=gen)  # the cache's [Hkv, B, S, hd]
     mask = torch.ones(1, 1, 8, 64, dtype=torch.bool).tril(40)
-    full = invariant_attention(q, k, v, mask)
+    full = invariant_attention(q, k, v, mask, kernels=kernels)
     for row in range(8):
-        alone = invariant_attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1])
+        alone = invariant_attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1], kernels=kernels)
         assert torch.equal(alone, full[:, :, row:row + 1]), row
     torch.testing.assert_close(full, sdpa_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernels", ATTENTION_ROUTES)
 @pytest.mark.parametrize("position", [100, 300, 383, 400, 500, 700, 1000])
-def test_invariant_attention_rows_do_not_depend_on_the_key_padding(position):
+def test_invariant_attention_rows_do_not_depend_on_the_key_padding(position, kernels):
     """A verify window can pad the key axis 64 further than decoding its first row alone would; the
     row's output must not change (long reductions are split where the kernel would split them)."""
     from dspark.models.attention import KV_ALIGN, invariant_attention
@@ -109,7 +118,7 @@ def test_invariant_attention_rows_do_not_depend_on_the_key_padding(position):
 
     def rows(nq: int, keys: int) -> torch.Tensor:
         mask = torch.arange(keys)[None, :] <= (position + torch.arange(nq))[:, None]
-        return invariant_attention(q[:, :, :nq], k[:, :, :keys], v[:, :, :keys], mask[None, None])
+        return invariant_attention(q[:, :, :nq], k[:, :, :keys], v[:, :, :keys], mask[None, None], kernels=kernels)
 
     start = -(-(position + 1) // KV_ALIGN) * KV_ALIGN  # what decoding the row alone pads to
     alone = rows(1, start)

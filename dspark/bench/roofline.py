@@ -40,7 +40,7 @@ def weight_bytes(module: torch.nn.Module) -> int:
         if isinstance(m, torch.nn.Embedding):
             continue
         if isinstance(m, Int4Linear):
-            tensors = [m.packed, m.scale_zero, m.bias]
+            tensors = [m.packed, m.scale_zero, m.bias]  # scale_zero is None with dspark's kernel
         elif isinstance(m, PackedLinear):
             tensors = [m.packed, m.bias]
         else:

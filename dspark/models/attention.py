@@ -12,11 +12,15 @@ exactly KV_CHUNK keys (one batched matmul), summed in key order: a BLAS kernel b
 its length (Intel's MKL past ~384 keys, on AVX2-only AMD CPUs at any length), so a row whose window
 pads the key axis 64 further would otherwise round differently.
 tests/test_packing.py checks the bit-identity, on the embedded model and on long contexts.
+Where dspark's kernels run (models/native.py), `invariant_attention` is one call of csrc/attention.c
+instead, which computes each row on its own and needs none of that padding.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from dspark.models import native
 
 KV_ALIGN = 64  # key-axis padding the invariant path relies on (KVCache.kv_align)
 KV_CHUNK = KV_ALIGN  # keys per probs @ values product: every chunk the same length, whatever S is
@@ -34,8 +38,19 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                                           enable_gqa=q.shape[1] != k.shape[0])
 
 
-def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Same contract as sdpa_attention; fp32 inputs, S a multiple of KV_ALIGN."""
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
+                        kernels: bool | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Same contract as sdpa_attention; fp32 inputs, S a multiple of KV_ALIGN. kernels: use dspark's
+    kernel where it fits (None: where it is loaded now); out_dtype: the result's dtype."""
+    b, h, nq, hd = q.shape
+    hkv = k.shape[0]
+    lib = native.library() if kernels is None else native.loaded() if kernels else None
+    if lib is not None and native.attention_fits(q, k):
+        return native.attention(lib, q, k, v, mask, out_dtype)
+    return _invariant_attention_torch(q, k, v, mask).to(out_dtype)
+
+
+def _invariant_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     b, h, nq, hd = q.shape
     hkv = k.shape[0]
     g = h // hkv
@@ -43,7 +58,7 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         pad = -(-MIN_ROWS // g)  # query rows so that the group's matmul has at least MIN_ROWS rows
         qp = torch.cat([q, q[:, :, -1:].expand(b, h, pad - nq, hd)], dim=2)
         mp = torch.cat([mask, mask[:, :, -1:].expand(b, 1, pad - nq, mask.shape[-1])], dim=2)
-        return invariant_attention(qp, k, v, mp)[:, :, :nq]
+        return _invariant_attention_torch(qp, k, v, mp)[:, :, :nq]
     # one matmul per (kv head, sequence): the g query heads of a group share its keys, which are read
     # where the cache's gather put them (k [Hkv, B, S, hd]: K^T is a transposed view, not a copy)
     qg = q.reshape(b, hkv, g * nq, hd).transpose(0, 1)
@@ -55,3 +70,4 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     parts = torch.matmul(chunks, v.reshape(hkv, b, c, KV_CHUNK, hd))  # [Hkv, B, C, rows, hd], same shape per chunk
     out = parts.cumsum(dim=2)[:, :, -1]  # summed in key order: chunks past a row's keys add exact zeros
     return out.transpose(0, 1).reshape(b, h, nq, hd)
+

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dspark.cache import DEFAULT_BLOCK_SIZE, AttentionGroup, AttentionMetadata, KVCache
+from dspark.models import native
 from dspark.models.attention import KV_ALIGN, invariant_attention, sdpa_attention
 from dspark.models.config import ModelConfig
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
@@ -19,6 +20,17 @@ class DecoderOutput:
 
     logits: torch.Tensor | None  # [R, V] for the requested rows, fp32
     hidden: torch.Tensor | None  # [T, m * d] outputs of the requested layers, concatenated
+
+
+@dataclass(frozen=True)
+class KernelRope:
+    """RoPE left to dspark's kernel, which applies it while writing the cache (native.rope_store):
+    the positions [T] int64, the fp32 cos / signed sin tables [n, hd], and q's attention scale."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_scale: float
 
 
 def kv_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -39,20 +51,25 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self._kernels = native.library() is not None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_pool: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | KernelRope, kv_pool: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """cos, sin: per-head RoPE tables from Decoder.rope_tables ([T, H + 2 Hkv, hd])."""
+        """rope: per-head cos, sin tables from Decoder.rope_tables ([T, H + 2 Hkv, hd]), or a KernelRope."""
         t, dt, h, hkv = x.shape[0], x.dtype, self.h, self.hkv
         qkv = self.qkv_proj.forward(x).view(t, h + 2 * hkv, self.hd)
-        if kv_pool.dtype != dt:  # fp32 cache under bf16 weights on CPU (see kv_cache_dtype): one cast, RoPE in fp32
-            qkv = qkv.to(kv_pool.dtype)
-        if self.q_norm is not None:
-            qkv = torch.cat([self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + hkv]), qkv[:, h + hkv:]], dim=1)
-        # one call rotates q (and scales it by 1/sqrt(hd)) and k; v passes through (cos 1, sin 0)
-        qkv = apply_rotary(qkv, cos, sin)
-        kv_pool.index_copy_(1, meta.slot_mapping, qkv[:, h:].transpose(0, 1))  # keys and values in one write
-        q = qkv[:, :h]
+        if isinstance(rope, KernelRope):  # one kernel call: RoPE, q's scale, the cache write, fp32 q
+            q = native.rope_store(native.loaded(), qkv, rope.positions, rope.cos, rope.sin, rope.q_scale, h, hkv,
+                                  kv_pool, meta.slot_mapping)
+        else:
+            if kv_pool.dtype != dt:  # fp32 cache under bf16 weights on CPU (see kv_cache_dtype): one cast, RoPE in fp32
+                qkv = qkv.to(kv_pool.dtype)
+            if self.q_norm is not None:
+                qkv = torch.cat([self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + hkv]), qkv[:, h + hkv:]], dim=1)
+            # one call rotates q (and scales it by 1/sqrt(hd)) and k; v passes through (cos 1, sin 0)
+            qkv = apply_rotary(qkv, *rope)
+            kv_pool.index_copy_(1, meta.slot_mapping, qkv[:, h:].transpose(0, 1))  # keys and values in one write
+            q = qkv[:, :h]
         if len(meta.groups) == 1:
             return self.o_proj.forward(self._attend(q, kv_pool, meta.groups[0], dt))
         out = x.new_empty(t, h * self.hd)
@@ -74,8 +91,10 @@ class Attention(nn.Module):
         else:
             qp = q.new_zeros(b * g.max_q, h, self.hd).index_copy_(0, g.q_index, q)
             qp = qp.view(b, g.max_q, h, self.hd).transpose(1, 2)
-        attend = invariant_attention if kv_pool.dtype != dt else sdpa_attention
-        out = attend(qp, keys, vals, g.mask).to(dt)
+        if kv_pool.dtype != dt:
+            out = invariant_attention(qp, keys, vals, g.mask, kernels=self._kernels, out_dtype=dt)
+        else:
+            out = sdpa_attention(qp, keys, vals, g.mask).to(dt)
         out = out.transpose(1, 2).reshape(b * g.max_q, h * self.hd)  # [B*Q, H*hd]
         return out if g.q_index is None else out.index_select(0, g.q_index)
 
@@ -90,9 +109,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, kv_pool, meta):
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_pool, meta)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+    def forward(self, x, rope, kv_pool, meta):
+        h = self.self_attn.forward(self.input_layernorm.forward(x), rope, kv_pool, meta)
+        x, normed = self.post_attention_layernorm.add_forward(x, h)  # x + h and its norm: one kernel call
+        return x + self.mlp.forward(normed)
 
 
 class Decoder(nn.Module):
@@ -110,6 +130,7 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(torch.tensor(cfg.inv_freq), cfg.rope_scale, min(cfg.max_position_embeddings, 4096))
         self.quantization = "none"  # the weight format the loader chose (models/loader._apply_quantization)
+        self._kernel_rope = (native.library() is not None and not cfg.qk_norm and cfg.head_dim % 32 == 0)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -154,12 +175,17 @@ class Decoder(nn.Module):
                 hidden_layers: Sequence[int] = ()) -> DecoderOutput:
         """input_ids, positions: [T]; logits_rows: [R] indices into T (None = no logits)."""
         x = self.embed_tokens(input_ids)  # [T, d]
-        cos, sin = self.rope_tables(positions)
+        if (self._kernel_rope and x.dtype == torch.bfloat16 and self.kv_dtype == torch.float32
+                and x.device.type == "cpu"):
+            rope = KernelRope(positions.to(torch.int64).contiguous(), *self.rotary.tables(positions),
+                              self.config.head_dim ** -0.5)
+        else:
+            rope = self.rope_tables(positions)
         wanted = set(hidden_layers)
         taps = {}
         # hot loop: .forward() skips nn.Module.__call__'s hook handling (a few us a call, ~150 calls a step)
         for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
-            x = layer.forward(x, cos, sin, pool, meta)
+            x = layer.forward(x, rope, pool, meta)
             if i in wanted:
                 taps[i] = x
         hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1) if hidden_layers else None

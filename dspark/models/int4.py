@@ -1,10 +1,12 @@
-"""4-bit weights, 32 per group, run with PyTorch's CPU int4 kernel (bf16 activations).
+"""4-bit weights, 32 per group, run with dspark's own CPU kernel (native.py, csrc/int4_mm.c) or PyTorch's
+(bf16 activations).
 
 Why: at batch 1 a decode step reads every weight once, so its cost is the bytes read. The embedded
 target ships as a Q4_1 GGUF: its linear weights are 4-bit codes with a scale and a minimum per group of
 32 (w = d * q + m, q in 0..15). Kept in that form, a step reads a quarter of the bytes of bf16; the
-kernel decodes them on the fly. It is faster than packed bf16 up to about 8 rows per call and slower
-above (it dequantizes once per few rows), so it is the latency choice; packed bf16 is the throughput one.
+kernel decodes them on the fly. dspark's kernel (AVX-512 BF16 CPUs) decodes a tile once per call for
+all its rows, ~2x PyTorch's at any row count; PyTorch's (everywhere else) dequantizes once per few rows,
+so it is faster than packed bf16 only up to about 8 rows per call.
 
 `native_int4` recognises weights that already are 4-bit groups (as a GGUF Q4_1 file's are, after any
 conversion to fp32), so re-packing them loses nothing but the rounding of scales to bf16 (less than
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from dspark.models import native
 
 GROUP = 32  # GGUF Q4_0 / Q4_1 block size
 _LEVELS = 15
@@ -56,6 +60,22 @@ def _is_native(fit: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]) -> b
     return fit[3] <= _TOLERANCE
 
 
+def _bf16_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).contiguous().view(torch.uint8)
+
+
+def pack_for_kernel(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """dspark's kernel layout (csrc/int4_mm.c) of codes [N, K] (0..15), step and minimum [N, K / 32]: per
+    16 output columns and group, 256 bytes of codes, then 16 bf16 steps and 16 bf16 centres lo + 8 step."""
+    n, k = codes.shape
+    nb, g = n // 16, k // GROUP
+    q = codes.to(torch.uint8).view(nb, 16, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 8, 2, 32)
+    packed_codes = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [nb, g, 8, 32]
+    d = _bf16_bytes(step.view(nb, 16, g).permute(0, 2, 1))  # [nb, g, 32 bytes]
+    z = _bf16_bytes((lo + 8 * step).view(nb, 16, g).permute(0, 2, 1))
+    return torch.cat([packed_codes.reshape(nb, g, 256), d, z], dim=-1).contiguous().view(-1)
+
+
 class Int4Linear(nn.Module):
     """Inference-only stand-in for an `nn.Linear` with 4-bit grouped weights; bf16 in and out."""
 
@@ -68,10 +88,14 @@ class Int4Linear(nn.Module):
                              f"got {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
         codes, step, lo, _ = fit or fit_int4(weight)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
-        # the kernel decodes w = (q - 8) * scale + zero
-        zero = lo + 8 * step
-        self.scale_zero = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self._native = native.library()
+        if self._native is not None:  # codes, scales and centres in one buffer (csrc/int4_mm.c)
+            self.packed, self.scale_zero = pack_for_kernel(codes, step, lo), None
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+            # PyTorch's kernel decodes w = (q - 8) * scale + zero
+            zero = lo + 8 * step
+            self.scale_zero = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,13 +103,17 @@ class Int4Linear(nn.Module):
         rows = x if flat else x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
+        if self._native is not None:
+            y = native.int4_mm(self._native, rows.contiguous(), self.packed, self.out_features)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
         if self.bias is not None:
             y = y + self.bias
         return y if flat else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
+        kernel = "dspark" if self._native is not None else "torch"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}, {kernel} kernel"
 
 
 def quantize_linears_int4(module: nn.Module, skip: tuple[str, ...] = (), native_only: bool = False) -> int:

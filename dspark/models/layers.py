@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models import native
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in fp32 like the reference implementations.
@@ -13,29 +15,49 @@ class RMSNorm(nn.Module):
     mean(x^2), so its first half is x / sqrt(mean(x^2) + eps) times the weight, from the fused
     LayerNorm kernel (fp32 inside). On a CPU that is about 3x faster than `F.rms_norm`, whose bf16
     path is a chain of small ops, and a decode step makes 2 * layers + 1 of these calls. Rows stay
-    independent, and the result equals the reference to fp32 rounding (tests/test_layers.py)."""
+    independent, and the result equals the reference to fp32 rounding (tests/test_layers.py).
+    Where dspark's kernels run (models/native.py), bf16 rows take one kernel call instead, which can also
+    add the residual first (`add_forward`)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self._padded: tuple[tuple, torch.Tensor] | None = None  # (weight version key, [w, 0])
+        self._padded: tuple[tuple, torch.Tensor] | None = None  # (weight version key, [w, 0] or fp32 w)
+        self._kernels = native.library() is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return F.rms_norm(x, (x.shape[-1],), w if w.dtype == x.dtype else w.to(x.dtype), self.eps)
+        if self._fits_kernel(x):
+            return native.rms_norm(native.loaded(), x, self._cached_weight(None), self.eps)[1]
         d = x.shape[-1]
-        return F.layer_norm(torch.cat([x, x.neg()], dim=-1), (2 * d,), self._padded_weight(x.dtype),
+        return F.layer_norm(torch.cat([x, x.neg()], dim=-1), (2 * d,), self._cached_weight(x.dtype),
                             None, self.eps)[..., :d]
 
-    def _padded_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """[w, 0] in `dtype`, rebuilt whenever the weight changes (optimizer steps, loads bump _version)."""
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, norm(x + residual)): one kernel call where it fits (inference, bf16 on a CPU)."""
+        grad = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or self.weight.requires_grad)
+        if not grad and self._fits_kernel(x) and residual.is_contiguous():
+            return native.rms_norm(native.loaded(), x, self._cached_weight(None), self.eps, residual)
+        x = x + residual
+        return x, self.forward(x)
+
+    def _fits_kernel(self, x: torch.Tensor) -> bool:
+        return (self._kernels and x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
+                and x.is_contiguous() and x.shape[-1] % 16 == 0)
+
+    def _cached_weight(self, dtype: torch.dtype | None) -> torch.Tensor:
+        """[w, 0] in `dtype` for the layer_norm route, or w in fp32 for the kernel (dtype None), rebuilt
+        whenever the weight changes (optimizer steps, loads bump _version)."""
         w = self.weight
         version = None if w.is_inference() else w._version  # inference tensors cannot change in place
         key = (w.data_ptr(), version, w.dtype, w.device, dtype)
         if self._padded is None or self._padded[0] != key:
-            self._padded = (key, torch.cat([w.detach(), torch.zeros_like(w.detach())]).to(dtype))
+            value = (w.detach().float().contiguous() if dtype is None
+                     else torch.cat([w.detach(), torch.zeros_like(w.detach())]).to(dtype))
+            self._padded = (key, value)
         return self._padded[1]
 
 
@@ -47,9 +69,14 @@ class SwiGLU(nn.Module):
         self.intermediate = intermediate
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down = nn.Linear(intermediate, hidden, bias=bias)
+        self._kernels = native.library() is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up.forward(x).split(self.intermediate, dim=-1)
+        gu = self.gate_up.forward(x)
+        if (self._kernels and not gu.requires_grad and gu.dtype == torch.bfloat16 and gu.dim() == 2
+                and gu.device.type == "cpu" and gu.is_contiguous() and self.intermediate % 16 == 0):
+            return self.down.forward(native.silu_mul(native.loaded(), gu))  # one kernel call
+        gate, up = gu.split(self.intermediate, dim=-1)
         return self.down.forward(F.silu(gate) * up)
 
 
@@ -75,12 +102,17 @@ class Rotary(nn.Module):
         self._sin = torch.cat([-sin[:, : sin.shape[1] // 2], sin[:, sin.shape[1] // 2:]], dim=-1)  # signed
         self._typed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (first half negated) for `positions` [T] -> each [T, 1, hd], ready to
-        broadcast over heads; apply_rotary takes them as they are."""
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 cos and signed sin tables [n, hd], n covering every one of `positions`."""
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > self._cos.shape[0]:
             self._build(max(need, 2 * self._cos.shape[0]))
+        return self._cos, self._sin
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (first half negated) for `positions` [T] -> each [T, 1, hd], ready to
+        broadcast over heads; apply_rotary takes them as they are."""
+        self.tables(positions)
         if self._cos.device != positions.device:
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
             self._typed = {}

@@ -1,0 +1,96 @@
+/* Attention of fp32 queries over fp32 keys and values, one row at a time, on AVX-512 CPUs.
+ *
+ * Every (sequence, head, query) row runs the same loop whatever the other rows of the call: scores
+ * over all S keys in key order (an AVX-512 dot product over head_dim, reduced in one fixed order),
+ * masked keys left out, an exponential of fixed polynomial form, and probs @ values summed in key
+ * order. A key the row may not see contributes nothing (not even a rounding), so the result is the
+ * same however far S is padded and however many queries share the call: what keeps a verify window's
+ * rows bit-identical to the same positions decoded one at a time. A row that may see no key gets zeros.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "simd.h"
+
+static inline void store_row(void *out, int64_t j, __m512 x, int bf16) {
+    if (bf16)
+        bf16_store((uint16_t *)out + 16 * j, x);
+    else
+        _mm512_storeu_ps((float *)out + 16 * j, x);
+}
+
+static void attend_row(const float *q, const float *k, const float *v, const uint8_t *mask, int64_t s_len,
+                       int64_t hd, void *out, int bf16, float *sc) {
+    const int64_t nv = hd / 16;
+    __m512 qv[16];
+    for (int64_t j = 0; j < nv; j++)
+        qv[j] = _mm512_loadu_ps(q + 16 * j);
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < s_len; s++) {
+        if (!mask[s])
+            continue;
+        const float *ks = k + s * hd;
+        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(ks));
+        for (int64_t j = 1; j < nv; j++)
+            acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(ks + 16 * j), acc);
+        const float dot = _mm512_reduce_add_ps(acc);
+        sc[s] = dot;
+        mx = dot > mx ? dot : mx;
+    }
+    __m512 o[16];
+    for (int64_t j = 0; j < nv; j++)
+        o[j] = _mm512_setzero_ps();
+    if (mx == -INFINITY) { /* sees no key: a padding row */
+        for (int64_t j = 0; j < nv; j++)
+            store_row(out, j, o[j], bf16);
+        return;
+    }
+    /* probabilities, 16 keys at a time; masked keys exactly 0 */
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 vmx = _mm512_set1_ps(mx);
+    for (int64_t s0 = 0; s0 < s_len; s0 += 16) {
+        const int64_t n = s_len - s0 < 16 ? s_len - s0 : 16;
+        __mmask16 live = 0;
+        for (int64_t i = 0; i < n; i++)
+            live |= (__mmask16)((mask[s0 + i] != 0) << i);
+        const __m512 x = _mm512_maskz_loadu_ps(live, sc + s0);
+        const __m512 p = _mm512_maskz_mov_ps(live, exp_clamped(_mm512_sub_ps(x, vmx)));
+        _mm512_storeu_ps(sc + s0, p);  /* sc has 16 floats of slack */
+        sum = _mm512_add_ps(sum, p);
+    }
+    for (int64_t s = 0; s < s_len; s++) {
+        if (!mask[s])
+            continue;
+        const __m512 p = _mm512_set1_ps(sc[s]);
+        const float *vs = v + s * hd;
+        for (int64_t j = 0; j < nv; j++)
+            o[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vs + 16 * j), o[j]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int64_t j = 0; j < nv; j++)
+        store_row(out, j, _mm512_mul_ps(o[j], inv), bf16);
+}
+
+/* Row (b, h, i) of q at q + b * qsb + h * qsh + i * qsq (scaled by 1/sqrt(hd)), written to out at
+ * b * osb + h * osh + i * osq (elements; fp32, or bf16 with out_bf16); keys / values of kv head j of sequence b at k / v + j * kvsh + b * kvsb,
+ * S rows of hd floats each; mask [B, Q, S] bool. hd a multiple of 16, at most 256; H a multiple of Hkv. */
+void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, const float *k, const float *v,
+                      int64_t kvsh, int64_t kvsb, const uint8_t *mask, void *out, int out_bf16, int64_t osb,
+                      int64_t osh, int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len,
+                      int64_t hd, int threads) {
+    const int64_t group = h_len / hkv;
+#pragma omp parallel num_threads(threads)
+    {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(s_len + 16));
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < b_len * h_len; bh++) {
+            const int64_t b = bh / h_len, h = bh % h_len;
+            const int64_t kv_off = (h / group) * kvsh + b * kvsb;
+            for (int64_t i = 0; i < q_len; i++)
+                attend_row(q + b * qsb + h * qsh + i * qsq, k + kv_off, v + kv_off,
+                           mask + (b * q_len + i) * s_len, s_len, hd,
+                           (char *)out + (b * osb + h * osh + i * osq) * (out_bf16 ? 2 : 4), out_bf16, sc);
+        }
+        free(sc);
+    }
+}

@@ -1,0 +1,116 @@
+/* y = x @ W^T for 4-bit grouped weights, bf16 activations and outputs, on AVX-512 BF16 CPUs.
+ *
+ * W[n, k] = d[n, g] * q[n, k] + m[n, g] with q in 0..15, g = k / 32 (GGUF Q4_1's form). For each group:
+ *     y[r, n] += d[n, g] * sum_k x[r, k] q[n, k]  +  m[n, g] * sum_k x[r, k]
+ * d and m are stored in bf16 as d and z = m + 8 d (the group's centre, small where m is about -8 d, so
+ * its rounding costs little), and m = z - 8 d is formed in fp32.
+ * The inner sum runs on VDPBF16PS with the codes as exact bf16 integers, so a weight is never
+ * dequantised to bf16 and rounded; the group's sums are scaled in fp32.
+ *
+ * Layout (int4_pack in int4_native.py): for each block of 16 output columns, for each group, a
+ * 320-byte record: 256 bytes of codes, then the 16 columns' d and then z as bf16. Code byte j of
+ * chunk c (c = 0..7, 32 bytes each) holds in its low nibble element j of pair-vector 2c and in its
+ * high nibble element j of pair-vector 2c+1, where element j of pair-vector p is
+ * q[16 * block + j / 2, 32 * g + 2 * p + j % 2]: the (column, k-pair) interleave VDPBF16PS reads.
+ *
+ * The codes of a (block, group) are decoded once into registers and then used for every row of the
+ * call, so a window of 8 rows costs little more than one row. Each row's arithmetic is the same
+ * sequence of operations whatever the number of rows or threads (rows only interleave, columns are
+ * split between threads whole), so a row's output is bit-identical in any batch.
+ */
+#include <stdlib.h>
+
+#include "simd.h"
+
+#define GROUP 32
+#define RECORD 320
+#define ROW_CHUNK 256
+
+/* Sum of each group of 32 bf16 values of each row, in fp32, in one fixed order. */
+static void group_sums(const uint16_t *x, int64_t rows, int64_t k, float *out) {
+    int64_t groups = k / GROUP;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *p = x + r * k + g * GROUP;
+            out[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(bf16_load(p), bf16_load(p + 16)));
+        }
+}
+
+/* acc += w . (the bf16 pair at x, broadcast): VDPBF16PS with its broadcast folded into the memory operand
+ * (compilers issue a separate broadcast for _mm512_set1_epi32, one more instruction per product). */
+#define DPBF16_BCAST(acc, w, x) __asm__("vdpbf16ps %[xv]%{1to16%}, %[wv], %[av]" : [av] "+v"(acc) : [wv] "v"(w), [xv] "m"(x))
+
+/* One row's group: four partial sums over the 16 k-pairs, joined in one fixed order. */
+#define ROW_GROUP(acc_y, xrow, g, w, d, m, xs)                                                        \
+    do {                                                                                           \
+        const int32_t *xp = (const int32_t *)((xrow) + (g) * GROUP);                               \
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                                 \
+        __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();                                 \
+        for (int p = 0; p < 16; p += 4) {                                                          \
+            DPBF16_BCAST(a0, w[p], xp[p]);                   \
+            DPBF16_BCAST(a1, w[p + 1], xp[p + 1]);           \
+            DPBF16_BCAST(a2, w[p + 2], xp[p + 2]);           \
+            DPBF16_BCAST(a3, w[p + 3], xp[p + 3]);           \
+        }                                                                                          \
+        __m512 s = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));                    \
+        acc_y = _mm512_fmadd_ps(s, d, acc_y);                                                      \
+        acc_y = _mm512_fmadd_ps(_mm512_set1_ps(xs), m, acc_y);                                     \
+    } while (0)
+
+static void block_rows(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *rec0, const float *xsum,
+                       uint16_t *y, int64_t n, int64_t col0, float *ybuf) {
+    const int64_t groups = k / GROUP;
+    /* bf16 of 0..15 (and zeros above), the lookup that turns a code into its exact bf16 value */
+    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                                           0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+    const __m512i low = _mm512_set1_epi16(0x0F);
+    for (int64_t r = 0; r < rows; r++)
+        _mm512_storeu_ps(ybuf + r * 16, _mm512_setzero_ps());
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *rec = rec0 + g * RECORD;
+        __m512bh w[16];
+        for (int c = 0; c < 8; c++) {
+            __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 32 * c)));
+            w[2 * c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, low), table);
+            w[2 * c + 1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+        }
+        const __m512 d = bf16_load((const uint16_t *)(rec + 256));
+        const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), d, bf16_load((const uint16_t *)(rec + 288)));
+        int64_t r = 0;
+        for (; r + 1 < rows; r += 2) {
+            __m512 y0 = _mm512_loadu_ps(ybuf + r * 16), y1 = _mm512_loadu_ps(ybuf + (r + 1) * 16);
+            ROW_GROUP(y0, x + r * k, g, w, d, m, xsum[r * groups + g]);
+            ROW_GROUP(y1, x + (r + 1) * k, g, w, d, m, xsum[(r + 1) * groups + g]);
+            _mm512_storeu_ps(ybuf + r * 16, y0);
+            _mm512_storeu_ps(ybuf + (r + 1) * 16, y1);
+        }
+        for (; r < rows; r++) {
+            __m512 y0 = _mm512_loadu_ps(ybuf + r * 16);
+            ROW_GROUP(y0, x + r * k, g, w, d, m, xsum[r * groups + g]);
+            _mm512_storeu_ps(ybuf + r * 16, y0);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        bf16_store(y + r * n + col0, _mm512_loadu_ps(ybuf + r * 16));
+}
+
+/* x [rows, k] bf16, packed as above for n outputs, y [rows, n] bf16. threads: OpenMP threads to use. */
+void dspark_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, uint16_t *y,
+                    int threads) {
+    const int64_t groups = k / GROUP, blocks = n / 16;
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(rows * groups > 0 ? rows * groups : 1));
+    group_sums(x, rows, k, xsum);
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
+        const int64_t nr = rows - r0 < ROW_CHUNK ? rows - r0 : ROW_CHUNK;
+#pragma omp parallel num_threads(threads)
+        {
+            float ybuf[ROW_CHUNK * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++)
+                block_rows(x + r0 * k, nr, k, packed + b * groups * RECORD, xsum + r0 * groups, y + r0 * n, n,
+                           b * 16, ybuf);
+        }
+    }
+    free(xsum);
+}

@@ -1,0 +1,83 @@
+/* The small per-layer ops of a bf16 decoder step, one call each instead of a chain of PyTorch ops
+ * (on AVX-512 CPUs). Each row is computed on its own in a fixed order, so a row's result never depends
+ * on how many rows share the call.
+ */
+#include <math.h>
+
+#include "simd.h"
+
+/* 1 where this CPU runs every kernel of the library (AVX-512 F / BW / BF16) */
+int dspark_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512bf16");
+}
+
+#define PARALLEL_ELEMENTS 65536 /* below this many elements a call runs on one thread */
+
+/* out = x / sqrt(mean(x^2) + eps) * w per row of d (a multiple of 16), in fp32, rounded once to bf16.
+ * With residual != NULL, x is first replaced by sum = bf16(x + residual) (the decoder's skip connection),
+ * written to sum. */
+void dspark_add_rmsnorm(const uint16_t *x, const uint16_t *residual, uint16_t *sum, const float *w, float eps,
+                        uint16_t *out, int64_t rows, int64_t d, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * d >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * d;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t j = 0; j < d; j += 16) {
+            __m512 v = bf16_load(xr + j);
+            if (residual) {
+                bf16_store(sum + r * d + j, _mm512_add_ps(v, bf16_load(residual + r * d + j)));
+                v = bf16_load(sum + r * d + j);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        if (residual)
+            xr = sum + r * d;
+        const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)d + eps));
+        for (int64_t j = 0; j < d; j += 16)
+            bf16_store(out + r * d + j, _mm512_mul_ps(_mm512_mul_ps(bf16_load(xr + j), scale), _mm512_loadu_ps(w + j)));
+    }
+}
+
+/* gu [rows, 2 * n] bf16 (gate, then up) -> out [rows, n] = silu(gate) * up, in fp32, rounded once. */
+void dspark_silu_mul(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * n >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < n; j += 16) {
+            const __m512 g = bf16_load(gu + r * 2 * n + j), u = bf16_load(gu + r * 2 * n + n + j);
+            const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                                exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            bf16_store(out + r * n + j, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+        }
+}
+
+/* The fused qkv rows [T, H + 2 Hkv, hd] bf16 after the projection: q and k rotated (rotate-half RoPE:
+ * x * cos + swap_halves(x) * signed_sin, tables [positions, hd] fp32 indexed by pos[t]) and q scaled
+ * by q_scale, all in fp32; q goes to q_out [T, H, hd], k and v to the layer's cache pool
+ * [2 Hkv, pool_rows, hd] fp32 at row slot[t] of each head. hd a multiple of 32. */
+void dspark_rope_store(const uint16_t *qkv, const int64_t *pos, const float *cos_t, const float *sin_t,
+                       float q_scale, int64_t t_len, int64_t h, int64_t hkv, int64_t hd, float *q_out,
+                       float *pool, int64_t pool_rows, const int64_t *slot, int threads) {
+    const int64_t heads = h + 2 * hkv, half = hd / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (t_len * heads * hd >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < t_len; t++) {
+        const float *c = cos_t + pos[t] * hd, *s = sin_t + pos[t] * hd;
+        for (int64_t i = 0; i < heads; i++) {
+            const uint16_t *x = qkv + (t * heads + i) * hd;
+            float *dst = i < h ? q_out + (t * h + i) * hd : pool + ((i - h) * pool_rows + slot[t]) * hd;
+            if (i >= h + hkv) { /* values: cast only */
+                for (int64_t j = 0; j < hd; j += 16)
+                    _mm512_storeu_ps(dst + j, bf16_load(x + j));
+                continue;
+            }
+            const __m512 sc = _mm512_set1_ps(i < h ? q_scale : 1.0f);
+            for (int64_t j = 0; j < hd; j += 16) {
+                const int64_t other = j < half ? j + half : j - half;
+                __m512 y = _mm512_fmadd_ps(bf16_load(x + other), _mm512_loadu_ps(s + j),
+                                           _mm512_mul_ps(bf16_load(x + j), _mm512_loadu_ps(c + j)));
+                _mm512_storeu_ps(dst + j, _mm512_mul_ps(y, sc));
+            }
+        }
+    }
+}

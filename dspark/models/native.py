@@ -1,0 +1,175 @@
+"""dspark's own CPU kernels (csrc/*.c), built once with the system C compiler and called through ctypes.
+
+- `int4_mm.c`: 4-bit grouped weights times bf16 rows. PyTorch's int4 kernel decodes a weight tile again
+  for every few rows, so an 8-row verify window cost ~3x one row and a prefill ran at a third of the
+  CPU's bf16 speed; this one decodes each tile once per call for every row (AVX-512 BF16).
+- `attention.c`: fp32 attention one row at a time, in place of a chain of ~15 PyTorch ops per layer
+  that had to pad rows and keys to stay window-invariant.
+- `layer_ops.c`: RMSNorm (with the residual add), SiLU-gating, and RoPE with the KV cache write, one
+  call each instead of 3-7 PyTorch ops: at batch 1 a step's time went mostly to dispatching small ops.
+
+Each gives a row the same result whatever the other rows of the call, which is what keeps speculative
+verification token-identical to plain decoding (tests/test_native.py, tests/test_packing.py).
+
+The shared library is compiled on first use (a few seconds; `dspark prepare` does it ahead) into
+$DSPARK_HOME/kernels, keyed by a hash of the sources and flags. Where there is no C compiler or the CPU
+lacks AVX-512 BF16, or with DSPARK_KERNELS=torch, `library()` returns None and models run on PyTorch
+ops alone (a process picks one or the other per model load, never both within a model).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("int4_mm.c", "attention.c", "layer_ops.c")]
+FLAGS = ["-O3", "-std=gnu11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
+         "-fPIC", "-shared"]
+ENV = "DSPARK_KERNELS"  # "auto" (default) or "torch": read at each library() call
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "dspark_int4_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT],
+    "dspark_attention": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _I64,
+                         _I64, _I64, _I64, _I64, _I64, _I64, _INT],
+    "dspark_add_rmsnorm": [_PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],
+    "dspark_silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
+    "dspark_rope_store": [_PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT],
+}
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why = ""
+
+
+def _cache_dir() -> Path:
+    from dspark.models.embedded import dspark_home
+    return dspark_home() / "kernels"
+
+
+def _build(out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise RuntimeError("no C compiler (gcc / cc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, out)  # atomic: concurrent first starts never load a half-written file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernels, building them on first use; None where they cannot run here (see why()) or when
+    DSPARK_KERNELS=torch is set (read at each call, so one process can load a model both ways)."""
+    global _lib, _tried, _why
+    if os.environ.get(ENV, "auto") == "torch":
+        return None
+    if _tried:
+        return _lib
+    _tried = True
+    files = SOURCES + sorted(CSRC.glob("*.h"))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(FLAGS).encode()).hexdigest()[:12]
+    path = _cache_dir() / f"dspark-kernels-{key}.so"
+    try:
+        if not path.exists():
+            _build(path)
+        lib = ctypes.CDLL(str(path))  # after torch: its libgomp (same soname) serves this library too
+        if not lib.dspark_supported():
+            _why = "this CPU lacks AVX-512 BF16"
+            return None
+        for name, args in SIGNATURES.items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = None
+    except (OSError, RuntimeError) as e:
+        _why = str(e)
+        return None
+    _lib = lib
+    return _lib
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The library if library() has loaded it, whatever DSPARK_KERNELS says now: modules decide at
+    construction (a bool, so they stay deep-copyable) and fetch it here at each call."""
+    return _lib
+
+
+def why() -> str:
+    """Why library() is None ("" when it is not, or not yet asked)."""
+    return _why
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def int4_mm(lib, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [rows, K] bf16 contiguous times weights packed by int4.pack_for_kernel: [rows, n] bf16."""
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    lib.dspark_int4_mm(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n, y.data_ptr(), _threads())
+    return y
+
+
+def rms_norm(lib, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, its RMSNorm) for x [rows, d] bf16 contiguous, weight [d] fp32; without residual the
+    first is x itself."""
+    out = torch.empty_like(x)
+    total = x if residual is None else torch.empty_like(x)
+    lib.dspark_add_rmsnorm(x.data_ptr(), None if residual is None else residual.data_ptr(), total.data_ptr(),
+                           weight.data_ptr(), eps, out.data_ptr(), x.shape[0], x.shape[1], _threads())
+    return total, out
+
+
+def silu_mul(lib, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2n] bf16 contiguous -> [rows, n] bf16."""
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    lib.dspark_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, _threads())
+    return out
+
+
+def rope_store(lib, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               q_scale: float, heads: int, kv_heads: int, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """RoPE on the fused qkv rows [T, H + 2 Hkv, hd] bf16; keys and values written to the layer's pool
+    [2 Hkv, rows, hd] fp32 at `slots` [T] int64; returns q [T, H, hd] fp32 (scaled by q_scale). cos and
+    signed sin: fp32 tables [positions, hd] covering `positions` [T] int64."""
+    t, _, hd = qkv.shape
+    q = torch.empty(t, heads, hd, dtype=torch.float32)
+    lib.dspark_rope_store(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_scale, t, heads,
+                          kv_heads, hd, q.data_ptr(), pool.data_ptr(), pool.shape[1], slots.data_ptr(), _threads())
+    return q
+
+
+def attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [B, H, Q, hd] fp32 (any strides with a unit last one), k / v [Hkv, B, S, hd] fp32 with rows of hd
+    consecutive floats, mask [B, 1, Q, S] bool -> [B, H, Q, hd] in out_dtype (fp32 or bf16), whose
+    memory is laid out [B, Q, H, hd]: the layout the output projection reads next."""
+    b, h, nq, hd = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    mask = mask.contiguous()
+    out = torch.empty(b, nq, h, hd, dtype=out_dtype)
+    lib.dspark_attention(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), v.data_ptr(),
+                         k.stride(0), k.stride(1), mask.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
+                         out.stride(0), out.stride(2), out.stride(1), b, h, k.shape[0], nq, k.shape[2], hd, _threads())
+    return out.transpose(1, 2)
+
+
+def attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether attention() takes these shapes and layouts."""
+    hd = q.shape[-1]
+    return (q.dtype == k.dtype == torch.float32 and hd % 16 == 0 and hd <= 256 and k.stride(-1) == 1
+            and k.stride(-2) == hd and q.device.type == "cpu")

@@ -1,0 +1,118 @@
+"""dspark's own CPU kernels (models/native.py, csrc/): each matches its PyTorch reference to rounding, and
+gives a row the same bits whatever the other rows of the call; a decoder on them matches one on PyTorch
+ops alone; the library is built once and can be switched off."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.models import native
+from dspark.models.int4 import GROUP, Int4Linear, fit_int4, pack_for_kernel
+from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
+from dspark.models.loader import load_decoder
+from invariance import logits_by_chunks
+
+lib = native.library()
+pytestmark = pytest.mark.skipif(lib is None, reason=f"dspark's kernels do not run here: {native.why()}")
+
+
+def _rows(n: int, d: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(n, d, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+
+
+def _each_row_alone_is_the_same(fn, x: torch.Tensor) -> None:
+    full = fn(x)
+    for r in range(x.shape[0]):
+        assert torch.equal(fn(x[r:r + 1]), full[r:r + 1]), r
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (960, 576), (576, 1536)])
+def test_int4_kernel_matches_the_dequantized_weight(shape):
+    n, k = shape
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    codes, step, lo, _ = fit_int4(w)
+    packed = pack_for_kernel(codes, step, lo)
+    # the weight the kernel represents: bf16 step and bf16 centre lo + 8 step
+    d = step.bfloat16().float()[..., None]
+    m = (lo + 8 * step).bfloat16().float()[..., None] - 8 * d
+    wq = (codes.float().view(n, k // GROUP, GROUP) * d + m).view(n, k)
+    x = _rows(37, k, seed=1)
+    y = native.int4_mm(lib, x, packed, n)
+    ref = x.float() @ wq.t()
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    _each_row_alone_is_the_same(lambda rows: native.int4_mm(lib, rows.contiguous(), packed, n), x[:9])
+    assert native.int4_mm(lib, x[:0], packed, n).shape == (0, n)
+
+
+def test_int4_linear_uses_the_kernel():
+    lin = Int4Linear(torch.randn(64, 64) * 0.02)
+    assert "dspark kernel" in repr(lin) and lin.scale_zero is None
+
+
+def test_rms_norm_kernel_matches_reference_and_adds_the_residual():
+    norm = RMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576) * 2)
+    x, res = _rows(7, 576, seed=2, scale=3.0), _rows(7, 576, seed=3)
+    with torch.inference_mode():
+        ref = F.rms_norm(x.float(), (576,), norm.weight.float(), 1e-5)
+        torch.testing.assert_close(norm(x).float(), ref, rtol=1e-2, atol=1e-2)
+        total, normed = norm.add_forward(x, res)
+        assert torch.equal(total, x + res)
+        assert torch.equal(normed, norm(x + res))
+        _each_row_alone_is_the_same(norm, x)
+
+
+def test_silu_mul_kernel_matches_reference():
+    mlp = SwiGLU(64, 96).bfloat16()
+    x = _rows(5, 64, seed=4, scale=4.0)
+    with torch.inference_mode():
+        gate, up = mlp.gate_up(x).float().split(96, dim=-1)
+        ref = mlp.down((F.silu(gate) * up).bfloat16())
+        torch.testing.assert_close(mlp(x).float(), ref.float(), rtol=2e-2, atol=2e-2)
+        gu = mlp.gate_up(x)
+        _each_row_alone_is_the_same(lambda r: native.silu_mul(lib, r.contiguous()), gu)
+
+
+def test_rope_store_matches_apply_rotary_and_the_cache_write():
+    t, h, hkv, hd = 5, 6, 2, 64
+    rot = Rotary(1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd)))
+    qkv = _rows(t, (h + 2 * hkv) * hd, seed=5).view(t, h + 2 * hkv, hd)
+    pos = torch.tensor([3, 4, 5, 17, 40])
+    slots = torch.tensor([9, 2, 7, 0, 11])
+    pool = torch.zeros(2 * hkv, 12, hd)
+    cos, sin = rot.tables(pos)
+    q = native.rope_store(lib, qkv, pos, cos, sin, hd ** -0.5, h, hkv, pool, slots)
+    c, s = rot.cos_sin(pos, torch.float32)
+    ref = apply_rotary(qkv.float(), c, s)
+    torch.testing.assert_close(q, ref[:, :h] * hd ** -0.5, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pool[:hkv, slots].transpose(0, 1), ref[:, h:h + hkv], rtol=1e-6, atol=1e-6)
+    assert torch.equal(pool[hkv:, slots].transpose(0, 1), qkv[:, h + hkv:].float())
+    assert pool[:, [1, 3]].abs().sum() == 0  # no other row written
+
+
+def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedded_dir, monkeypatch):
+    """The embedded model (int4 weights, fp32 cache) on dspark's kernels against the same model on PyTorch
+    ops alone: the same logits up to bf16 rounding, and on the kernels a position's logits do not depend
+    on the window it was verified in."""
+    ids = torch.randint(1000, (48,), generator=torch.Generator().manual_seed(7))
+    dec = load_decoder(embedded_dir, dtype=torch.bfloat16, quantization="auto")
+    monkeypatch.setenv(native.ENV, "torch")
+    ref = load_decoder(embedded_dir, dtype=torch.bfloat16, quantization="auto")
+    monkeypatch.delenv(native.ENV)
+    assert "dspark kernel" in repr(dec.layers[0].self_attn.qkv_proj)
+    assert "torch kernel" in repr(ref.layers[0].self_attn.qkv_proj)
+    one = logits_by_chunks(dec, ids, [32] + [1] * 16)
+    torch.testing.assert_close(one, logits_by_chunks(ref, ids, [32] + [1] * 16), rtol=0.05, atol=1.0)  # bf16 roundings through 30 layers
+    assert (one.argmax(-1) == logits_by_chunks(ref, ids, [32] + [1] * 16).argmax(-1)).float().mean() >= 0.9
+    assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(native.ENV, "torch")
+    assert native.library() is None
+    assert "torch kernel" in repr(Int4Linear(torch.randn(64, 64) * 0.02))
+    monkeypatch.delenv(native.ENV)
+    assert native.library() is lib
