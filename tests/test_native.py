@@ -116,3 +116,27 @@ def test_switched_off_by_environment(monkeypatch):
     assert "torch kernel" in repr(Int4Linear(torch.randn(64, 64) * 0.02))
     monkeypatch.delenv(native.ENV)
     assert native.library() is lib
+
+
+def test_q8_head_matches_its_weight_and_rows_do_not_matter():
+    from dspark.models.q8 import Q8Linear, fit_q8, native_q8
+
+    gen = torch.Generator().manual_seed(8)
+    d = (torch.rand(160, 4, 1, generator=gen) * 0.01 + 1e-3).half().float()
+    q = torch.randint(-127, 128, (160, 4, 32), generator=gen).float()
+    q[..., 0] = 127  # the group's largest magnitude, as llama.cpp's Q8_0 quantizer makes it
+    w = (q * d).view(160, 128)
+    assert native_q8(w) and not native_q8(w + 1e-4 * torch.randn(160, 128, generator=gen))
+    assert torch.equal(fit_q8(w)[0].float().view(160, 4, 32), q)
+    head = Q8Linear(w)
+    x = _rows(11, 128, seed=9)
+    y = head(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, x.float() @ w.t(), rtol=1e-5, atol=1e-5)  # exact products, fp32 sums
+    _each_row_alone_is_the_same(head, x)
+
+
+def test_embedded_model_runs_its_q8_head(embedded_dir):
+    dec = load_decoder(embedded_dir, dtype=torch.bfloat16, quantization="auto")
+    assert dec.lm_head_q8 is not None and dec.weight_format == "bfloat16/int4+q8-head"
+    assert dec.lm_head.weight is dec.embed_tokens.weight  # the drafter still reads the bf16 rows

@@ -130,7 +130,9 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(torch.tensor(cfg.inv_freq), cfg.rope_scale, min(cfg.max_position_embeddings, 4096))
         self.quantization = "none"  # the weight format the loader chose (models/loader._apply_quantization)
-        self._kernel_rope = (native.library() is not None and not cfg.qk_norm and cfg.head_dim % 32 == 0)
+        self.lm_head_q8: nn.Module | None = None  # the LM head in its own 8-bit groups, where the loader found them
+        self.kernels = native.library() is not None  # dspark's CPU kernels (models/native.py) run this model
+        self._kernel_rope = self.kernels and not cfg.qk_norm and cfg.head_dim % 32 == 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,7 +146,8 @@ class Decoder(nn.Module):
     def weight_format(self) -> str:
         """The dtype, plus the weight quantization where there is one: "bfloat16", "bfloat16/int4"."""
         name = str(self.dtype).removeprefix("torch.")
-        return name if self.quantization == "none" else f"{name}/{self.quantization}"
+        name = name if self.quantization == "none" else f"{name}/{self.quantization}"
+        return name if self.lm_head_q8 is None else f"{name}+q8-head"
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -191,5 +194,6 @@ class Decoder(nn.Module):
         hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1) if hidden_layers else None
         logits = None
         if logits_rows is not None:
-            logits = self.lm_head(self.norm(x.index_select(0, logits_rows))).float()
+            h = self.norm(x.index_select(0, logits_rows))
+            logits = self.lm_head(h).float() if self.lm_head_q8 is None else self.lm_head_q8(h)
         return DecoderOutput(logits=logits, hidden=hidden)

@@ -7,10 +7,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from dspark.models import native
 from dspark.models.config import ModelConfig
 from dspark.models.decoder import Decoder
 from dspark.models.int4 import int4_supported, quantize_linears_int4
 from dspark.models.packing import pack_linears, packing_supported
+from dspark.models.q8 import Q8Linear, native_q8
 
 _PREFIX = "model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,7 +60,8 @@ def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device
 
 def _apply_quantization(quantization: str, model: Decoder, dtype: torch.dtype, device: str) -> str:
     """Put the layers' linears in the chosen weight format; returns "none" or "int4" (4-bit groups of
-    32 through the CPU int4 kernel, bf16 activations, LM head and embeddings untouched). "auto" picks
+    32 through the CPU int4 kernel, bf16 activations, embeddings untouched, an LM head that is 8-bit
+    groups already in its own form: models/q8.py). "auto" picks
     int4 only where it is lossless, i.e. the layers' weights already are 4-bit groups (a GGUF
     Q4_0/Q4_1 model such as the embedded default), the dtype is bf16 and the kernel exists; "int4"
     forces it (round-to-nearest quantization of other weights). Runs on the checkpoint's own values,
@@ -71,8 +74,13 @@ def _apply_quantization(quantization: str, model: Decoder, dtype: torch.dtype, d
             raise ValueError(f"quantization 'int4' needs dtype bfloat16 on a CPU with PyTorch's int4 kernel "
                              f"(got dtype {str(dtype).removeprefix('torch.')} on {device})")
         quantize_linears_int4(model.layers)
-        return "int4"
-    return "int4" if usable and quantize_linears_int4(model.layers, native_only=True) else "none"
+    elif not (usable and quantize_linears_int4(model.layers, native_only=True)):
+        return "none"
+    # an LM head that already is 8-bit groups (a GGUF's Q8_0 head) runs in that form too, where dspark's
+    # kernels run; the bf16 head stays for the drafter, which reads its rows (tied: the embeddings)
+    if native.library() is not None and native_q8(model.lm_head.weight):
+        model.lm_head_q8 = Q8Linear(model.lm_head.weight)
+    return "int4"
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

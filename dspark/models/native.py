@@ -3,6 +3,8 @@
 - `int4_mm.c`: 4-bit grouped weights times bf16 rows. PyTorch's int4 kernel decodes a weight tile again
   for every few rows, so an 8-row verify window cost ~3x one row and a prefill ran at a third of the
   CPU's bf16 speed; this one decodes each tile once per call for every row (AVX-512 BF16).
+- `q8_mm.c`: the same for 8-bit groups (GGUF Q8_0), fp32 out: the embedded model's LM head in its own
+  8-bit form, half the bytes of bf16.
 - `attention.c`: fp32 attention one row at a time, in place of a chain of ~15 PyTorch ops per layer
   that had to pad rows and keys to stay window-invariant.
 - `layer_ops.c`: RMSNorm (with the residual add), SiLU-gating, and RoPE with the KV cache write, one
@@ -29,13 +31,14 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("int4_mm.c", "attention.c", "layer_ops.c")]
+SOURCES = [CSRC / name for name in ("int4_mm.c", "q8_mm.c", "attention.c", "layer_ops.c")]
 FLAGS = ["-O3", "-std=gnu11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
          "-fPIC", "-shared"]
 ENV = "DSPARK_KERNELS"  # "auto" (default) or "torch": read at each library() call
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "dspark_int4_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT],
+    "dspark_q8_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT],
     "dspark_attention": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _I64,
                          _I64, _I64, _I64, _I64, _I64, _I64, _INT],
     "dspark_add_rmsnorm": [_PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],

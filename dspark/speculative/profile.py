@@ -153,9 +153,10 @@ def _monotone(points: dict[int, float]) -> dict[int, float]:
 
 def table_cache_path(model_path: Path, decoder: Decoder, max_tokens: int, max_seqs: int = 1,
                      profile: str = "full") -> Path:
-    """Where the cached table for this model / dtype / threads / device / torch version lives."""
+    """Where the cached table for this model / dtype / kernels / threads / device / torch version lives."""
     key = "|".join([str(Path(model_path).resolve()), decoder.weight_format, str(torch.get_num_threads()),
                     str(decoder.device), torch.__version__, str(max_tokens), f"seqs={max_seqs}", "ctx=256"]
+                   + (["dspark-kernels"] if getattr(decoder, "kernels", False) else [])
                    + ([] if profile == "full" else [profile]))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return dspark_home() / "sps" / f"{Path(model_path).name}-{digest}.json"

@@ -36,25 +36,13 @@ static void group_sums(const uint16_t *x, int64_t rows, int64_t k, float *out) {
         }
 }
 
-/* acc += w . (the bf16 pair at x, broadcast): VDPBF16PS with its broadcast folded into the memory operand
- * (compilers issue a separate broadcast for _mm512_set1_epi32, one more instruction per product). */
-#define DPBF16_BCAST(acc, w, x) __asm__("vdpbf16ps %[xv]%{1to16%}, %[wv], %[av]" : [av] "+v"(acc) : [wv] "v"(w), [xv] "m"(x))
-
-/* One row's group: four partial sums over the 16 k-pairs, joined in one fixed order. */
-#define ROW_GROUP(acc_y, xrow, g, w, d, m, xs)                                                        \
-    do {                                                                                           \
-        const int32_t *xp = (const int32_t *)((xrow) + (g) * GROUP);                               \
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                                 \
-        __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();                                 \
-        for (int p = 0; p < 16; p += 4) {                                                          \
-            DPBF16_BCAST(a0, w[p], xp[p]);                   \
-            DPBF16_BCAST(a1, w[p + 1], xp[p + 1]);           \
-            DPBF16_BCAST(a2, w[p + 2], xp[p + 2]);           \
-            DPBF16_BCAST(a3, w[p + 3], xp[p + 3]);           \
-        }                                                                                          \
-        __m512 s = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));                    \
-        acc_y = _mm512_fmadd_ps(s, d, acc_y);                                                      \
-        acc_y = _mm512_fmadd_ps(_mm512_set1_ps(xs), m, acc_y);                                     \
+/* One row's group: its dot with the codes, scaled, plus the minimum times the row's group sum. */
+#define ROW_GROUP(acc_y, xrow, g, w, d, m, xs)                                                    \
+    do {                                                                                       \
+        __m512 s;                                                                              \
+        GROUP_DOT(s, (const int32_t *)((xrow) + (g) * GROUP), w);                              \
+        acc_y = _mm512_fmadd_ps(s, d, acc_y);                                                  \
+        acc_y = _mm512_fmadd_ps(_mm512_set1_ps(xs), m, acc_y);                                 \
     } while (0)
 
 static void block_rows(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *rec0, const float *xsum,

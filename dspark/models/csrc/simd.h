@@ -31,4 +31,24 @@ static inline __m512 exp_clamped(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* acc += w . (the bf16 pair at x, broadcast): VDPBF16PS with its broadcast folded into the memory operand
+ * (compilers issue a separate broadcast for _mm512_set1_epi32, one more instruction per product). */
+#define DPBF16_BCAST(acc, w, x) __asm__("vdpbf16ps %[xv]%{1to16%}, %[wv], %[av]" : [av] "+v"(acc) : [wv] "v"(w), [xv] "m"(x))
+
+/* s = sum over a group of 32 inputs of one row's bf16 pairs xp[0..15] (int32 views) times the group's 16
+ * decoded weight vectors w[0..15] (16 columns x one k-pair each): four partial sums, joined in one fixed
+ * order, so the row's result never depends on the rows beside it. */
+#define GROUP_DOT(s, xp, w)                                                                        \
+    do {                                                                                           \
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();                                 \
+        __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();                                 \
+        for (int p = 0; p < 16; p += 4) {                                                          \
+            DPBF16_BCAST(a0, (w)[p], (xp)[p]);                                                     \
+            DPBF16_BCAST(a1, (w)[p + 1], (xp)[p + 1]);                                             \
+            DPBF16_BCAST(a2, (w)[p + 2], (xp)[p + 2]);                                             \
+            DPBF16_BCAST(a3, (w)[p + 3], (xp)[p + 3]);                                             \
+        }                                                                                          \
+        s = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));                           \
+    } while (0)
+
 #endif

@@ -1,0 +1,76 @@
+"""8-bit grouped weights (GGUF Q8_0's form, w = d * q, q in -128..127, 32 per group) for the LM head, run
+with dspark's kernel (native.py, csrc/q8_mm.c): bf16 rows in, fp32 logits out.
+
+Why: the embedded model's LM head (tied to its embeddings) is Q8_0 in its GGUF file. As bf16 it was 57 MB
+of the ~80 MB a batch-1 decode step reads; in its own 8-bit form it is 30 MB, and since the kernel
+computes with the file's own codes and fp32 scales, its logits are closer to the file's model than the
+bf16-rounded head was. Like the 4-bit layers (models/int4.py), only weights that already are 8-bit
+groups are taken (`native_q8`), and a row's logits never depend on the other rows of the call.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.models import native
+
+GROUP = 32
+_LEVELS = 127
+_TOLERANCE = 1e-3  # of a group's step: what "already 8-bit" allows for the rounding of d * q
+
+
+def fit_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Symmetric 8-bit fit per group of 32 along the input axis: codes [N, K] int8, step [N, K/32] fp32,
+    and the largest reconstruction error as a fraction of its group's step."""
+    n, k = weight.shape
+    g = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    step = g.abs().amax(-1) / _LEVELS
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = (g / safe[..., None]).round().clamp(-128, 127)
+    err = ((codes * step[..., None] - g).abs().amax(-1) / safe).max().item()
+    return codes.to(torch.int8).reshape(n, k), step, err
+
+
+def shape_ok(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % GROUP == 0
+
+
+def native_q8(weight: torch.Tensor) -> bool:
+    """True when `weight` already is 8-bit groups of 32 (e.g. dequantized from GGUF Q8_0)."""
+    return shape_ok(weight) and fit_q8(weight)[2] <= _TOLERANCE
+
+
+def pack_for_kernel(codes: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout (csrc/q8_mm.c): per 16 output columns and group, 512 bytes of codes in
+    (column, k-pair) order, then the 16 columns' steps as fp32."""
+    n, k = codes.shape
+    nb, g = n // 16, k // GROUP
+    q = codes.view(nb, 16, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 512).view(torch.uint8)
+    d = step.float().view(nb, 16, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [nb, g, 64]
+    return torch.cat([q, d], dim=-1).contiguous().view(-1)
+
+
+class Q8Linear(nn.Module):
+    """Inference-only y = x @ W^T for 8-bit grouped weights, without bias: bf16 rows in, fp32 out."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        if not shape_ok(weight):
+            raise ValueError(f"q8 needs out_features % 16 == 0 and in_features % {GROUP} == 0, "
+                             f"got {tuple(weight.shape)}")
+        if native.library() is None:
+            raise RuntimeError(f"the q8 kernel does not run here: {native.why()}")
+        self.out_features, self.in_features = weight.shape
+        codes, step, _ = fit_q8(weight)
+        self.register_buffer("packed", pack_for_kernel(codes, step))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        if rows.shape[0]:
+            native.loaded().dspark_q8_mm(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
+                                         self.out_features, y.data_ptr(), torch.get_num_threads())
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, 8-bit groups of {GROUP}"
