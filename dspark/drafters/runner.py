@@ -14,7 +14,9 @@ of a round that the drafts' survival pays back is worth spending. Here:
   between rounds) and joins context and block in the scores, not by copying K/V next to the block's;
 - the base logits stay in the drafter's dtype until a position is corrected (no whole-block fp32
   copy), and the engine does not ask for the corrected logits at all.
-On a CPU with packed bf16 kernels every matrix is in oneDNN's packed layout. Drafts need not be
+On a CPU with packed bf16 kernels every matrix is in oneDNN's packed layout, and where dspark's
+kernels run (models/native.py) also rounded to 8-bit groups of 32 for calls of up to Q8_MAX_ROWS rows
+(half the bytes to read; the rounding moves a draft's logits by well under 1%). Drafts need not be
 bit-identical between batch shapes (verification keeps the output exact whatever is drafted), so calls
 are not padded to fixed row counts the way the target's are.
 
@@ -32,20 +34,35 @@ import torch.nn.functional as F
 
 from dspark.drafters.blocks import block_positions, draft_mask
 from dspark.drafters.cache import DrafterCache
+from dspark.models import native
 from dspark.models.layers import apply_rotary
+from dspark.models.q8 import GROUP as Q8_GROUP, Q8Linear
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Linear:
-    """x [..., in] -> [..., out]: a packed oneDNN call, or F.linear on the tensors as they are."""
+    """x [..., in] -> [..., out]: dspark's 8-bit kernel or a packed oneDNN call, or F.linear on the
+    tensors as they are."""
     weight = weight.detach().contiguous()
     bias = None if bias is None else bias.detach()
     if pack:
         from dspark.models.packing import PackedLinear
 
-        return PackedLinear(weight, bias)  # no row_chunk: no padding to fixed row counts
+        packed = PackedLinear(weight, bias)  # no row_chunk: no padding to fixed row counts
+        if weight.dtype == torch.bfloat16 and weight.shape[1] % Q8_GROUP == 0 and native.library() is not None:
+            return partial(_by_rows, Q8Linear(weight, bias, out_dtype=torch.bfloat16), packed)
+        return packed
     return partial(F.linear, weight=weight, bias=bias)
+
+
+Q8_MAX_ROWS = 32  # past this many rows a call is compute-bound, where oneDNN's packed bf16 is faster
+
+
+def _by_rows(q8: Linear, packed: Linear, x: torch.Tensor) -> torch.Tensor:
+    """The 8-bit kernel for the few rows of a batch-1 round (its weights are half the bytes), packed
+    bf16 for many."""
+    return q8(x) if x.numel() <= Q8_MAX_ROWS * x.shape[-1] else packed(x)
 
 
 def _fused(linears, pack: bool) -> Linear:

@@ -38,7 +38,7 @@ ENV = "DSPARK_KERNELS"  # "auto" (default) or "torch": read at each library() ca
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "dspark_int4_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT],
-    "dspark_q8_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT],
+    "dspark_q8_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT, _INT],
     "dspark_attention": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _I64,
                          _I64, _I64, _I64, _I64, _I64, _I64, _INT],
     "dspark_add_rmsnorm": [_PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],

@@ -51,25 +51,36 @@ def pack_for_kernel(codes: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 
 class Q8Linear(nn.Module):
-    """Inference-only y = x @ W^T for 8-bit grouped weights, without bias: bf16 rows in, fp32 out."""
+    """Inference-only y = x @ W^T (+ bias) for 8-bit grouped weights: bf16 rows in, fp32 out (or
+    `out_dtype`). Any out_features: the kernel's rows are padded to a multiple of 16, the output is not."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32):
         super().__init__()
-        if not shape_ok(weight):
-            raise ValueError(f"q8 needs out_features % 16 == 0 and in_features % {GROUP} == 0, "
-                             f"got {tuple(weight.shape)}")
+        if weight.dim() != 2 or weight.shape[1] % GROUP:
+            raise ValueError(f"q8 needs in_features % {GROUP} == 0, got {tuple(weight.shape)}")
         if native.library() is None:
             raise RuntimeError(f"the q8 kernel does not run here: {native.why()}")
         self.out_features, self.in_features = weight.shape
-        codes, step, _ = fit_q8(weight)
+        self.out_dtype = out_dtype
+        self._rows = -(-self.out_features // 16) * 16
+        padded = torch.cat([weight.detach().float(), weight.new_zeros(self._rows - self.out_features,
+                                                                      self.in_features).float()])
+        codes, step, _ = fit_q8(padded)
         self.register_buffer("packed", pack_for_kernel(codes, step))
+        self.bias = None if bias is None else bias.detach().to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        y = torch.empty(rows.shape[0], self._rows, dtype=self.out_dtype)
         if rows.shape[0]:
             native.loaded().dspark_q8_mm(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
-                                         self.out_features, y.data_ptr(), torch.get_num_threads())
+                                         self._rows, y.data_ptr(), int(self.out_dtype == torch.bfloat16),
+                                         torch.get_num_threads())
+        if self._rows != self.out_features:
+            y = y[:, :self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,5 +1,5 @@
 /* y = x @ W^T for 8-bit grouped weights (GGUF Q8_0's form: W[n, k] = d[n, g] * q[n, k], q in -128..127,
- * g = k / 32), bf16 activations, fp32 outputs, on AVX-512 BF16 CPUs: an LM head in half the bytes of bf16.
+ * g = k / 32), bf16 activations, fp32 or bf16 outputs, on AVX-512 BF16 CPUs: an LM head in half the bytes of bf16.
  *
  * For each group, y[r, n] += d[n, g] * sum_k x[r, k] q[n, k]: the codes become exact bf16 integers and the
  * sum runs on VDPBF16PS, so each product is exact and only the fp32 sums round. d is kept in fp32 (a
@@ -35,8 +35,8 @@ static inline __m512bh codes_to_bf16(const int8_t *p) {
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-static void block_rows(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *rec0, float *y, int64_t n,
-                       int64_t col0, float *ybuf) {
+static void block_rows(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *rec0, void *y, int out_bf16,
+                       int64_t n, int64_t col0, float *ybuf) {
     const int64_t groups = k / GROUP;
     for (int64_t r = 0; r < rows; r++)
         _mm512_storeu_ps(ybuf + r * 16, _mm512_setzero_ps());
@@ -60,13 +60,19 @@ static void block_rows(const uint16_t *x, int64_t rows, int64_t k, const uint8_t
             _mm512_storeu_ps(ybuf + r * 16, y0);
         }
     }
-    for (int64_t r = 0; r < rows; r++)
-        _mm512_storeu_ps(y + r * n + col0, _mm512_loadu_ps(ybuf + r * 16));
+    for (int64_t r = 0; r < rows; r++) {
+        if (out_bf16)
+            bf16_store((uint16_t *)y + r * n + col0, _mm512_loadu_ps(ybuf + r * 16));
+        else
+            _mm512_storeu_ps((float *)y + r * n + col0, _mm512_loadu_ps(ybuf + r * 16));
+    }
 }
 
-/* x [rows, k] bf16, packed as above for n outputs, y [rows, n] fp32. threads: OpenMP threads to use. */
-void dspark_q8_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, float *y,
-                  int threads) {
+/* x [rows, k] bf16, packed as above for n outputs, y [rows, n] fp32 (bf16 with out_bf16). threads: OpenMP
+ * threads to use. */
+void dspark_q8_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, void *y,
+                  int out_bf16, int threads) {
+    const size_t esize = out_bf16 ? 2 : 4;
     const int64_t groups = k / GROUP, blocks = n / 16;
     for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
         const int64_t nr = rows - r0 < ROW_CHUNK ? rows - r0 : ROW_CHUNK;
@@ -75,7 +81,8 @@ void dspark_q8_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *pac
             float ybuf[ROW_CHUNK * 16] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++)
-                block_rows(x + r0 * k, nr, k, packed + b * groups * RECORD, y + r0 * n, n, b * 16, ybuf);
+                block_rows(x + r0 * k, nr, k, packed + b * groups * RECORD, (char *)y + r0 * n * esize, out_bf16, n,
+                           b * 16, ybuf);
         }
     }
 }
