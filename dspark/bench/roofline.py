@@ -33,14 +33,18 @@ def weight_bytes(module: torch.nn.Module) -> int:
     once) and norm, but not embedding tables, of which a step reads one row per token."""
     from dspark.models.int4 import Int4Linear
     from dspark.models.packing import PackedLinear
+    from dspark.models.q8 import Q8Linear
 
     seen: set[int] = set()
     nbytes = 0
+    q8_head = getattr(module, "lm_head_q8", None) is not None  # then the bf16 head is never read
     for m in module.modules():
-        if isinstance(m, torch.nn.Embedding):
+        if isinstance(m, torch.nn.Embedding) or (q8_head and m is module.lm_head):
             continue
         if isinstance(m, Int4Linear):
             tensors = [m.packed, m.scale_zero, m.bias]  # scale_zero is None with dspark's kernel
+        elif isinstance(m, Q8Linear):
+            tensors = [m.packed, m.bias]
         elif isinstance(m, PackedLinear):
             tensors = [m.packed, m.bias]
         else:
