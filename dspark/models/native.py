@@ -110,6 +110,8 @@ def loaded() -> ctypes.CDLL | None:
 
 def why() -> str:
     """Why library() is None ("" when it is not, or not yet asked)."""
+    if os.environ.get(ENV, "auto") == "torch":
+        return f"{ENV}=torch"
     return _why
 
 
