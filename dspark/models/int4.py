@@ -88,8 +88,8 @@ class Int4Linear(nn.Module):
                              f"got {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
         codes, step, lo, _ = fit or fit_int4(weight)
-        self._native = native.library()
-        if self._native is not None:  # codes, scales and centres in one buffer (csrc/int4_mm.c)
+        self._native = native.library() is not None  # a bool: modules stay deep-copyable
+        if self._native:  # codes, scales and centres in one buffer (csrc/int4_mm.c)
             self.packed, self.scale_zero = pack_for_kernel(codes, step, lo), None
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
@@ -103,8 +103,8 @@ class Int4Linear(nn.Module):
         rows = x if flat else x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        if self._native is not None:
-            y = native.int4_mm(self._native, rows.contiguous(), self.packed, self.out_features)
+        if self._native:
+            y = native.int4_mm(native.loaded(), rows.contiguous(), self.packed, self.out_features)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
         if self.bias is not None:
@@ -112,7 +112,7 @@ class Int4Linear(nn.Module):
         return y if flat else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "dspark" if self._native is not None else "torch"
+        kernel = "dspark" if self._native else "torch"
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}, {kernel} kernel"
 
 

@@ -24,7 +24,6 @@
 
 #define GROUP 32
 #define RECORD 320
-#define ROW_CHUNK 256
 
 /* Sum of each group of 32 bf16 values of each row, in fp32, in one fixed order. */
 static void group_sums(const uint16_t *x, int64_t rows, int64_t k, float *out) {
@@ -45,9 +44,21 @@ static void group_sums(const uint16_t *x, int64_t rows, int64_t k, float *out) {
         acc_y = _mm512_fmadd_ps(_mm512_set1_ps(xs), m, acc_y);                                 \
     } while (0)
 
-static void block_rows(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *rec0, const float *xsum,
-                       uint16_t *y, int64_t n, int64_t col0, float *ybuf) {
-    const int64_t groups = k / GROUP;
+struct mm_args {
+    const uint16_t *x;
+    int64_t k, n;
+    const uint8_t *packed;
+    const float *xsum;
+    uint16_t *y;
+};
+
+/* Block b of 16 output columns for rows r0 .. r0 + rows - 1 (see run_blocks in simd.h). */
+static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf) {
+    const struct mm_args *a = args;
+    const int64_t k = a->k, groups = k / GROUP;
+    const uint16_t *x = a->x + r0 * k;
+    const float *xsum = a->xsum + r0 * groups;
+    const uint8_t *rec0 = a->packed + b * groups * RECORD;
     /* bf16 of 0..15 (and zeros above), the lookup that turns a code into its exact bf16 value */
     const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                            0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
@@ -79,26 +90,16 @@ static void block_rows(const uint16_t *x, int64_t rows, int64_t k, const uint8_t
             _mm512_storeu_ps(ybuf + r * 16, y0);
         }
     }
-    for (int64_t r = 0; r < rows; r++)
-        bf16_store(y + r * n + col0, _mm512_loadu_ps(ybuf + r * 16));
+    store_block(ybuf, rows, a->y, 1, a->n, r0, b * 16);
 }
 
 /* x [rows, k] bf16, packed as above for n outputs, y [rows, n] bf16. threads: OpenMP threads to use. */
 void dspark_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, uint16_t *y,
                     int threads) {
-    const int64_t groups = k / GROUP, blocks = n / 16;
+    const int64_t groups = k / GROUP;
     float *xsum = (float *)malloc(sizeof(float) * (size_t)(rows * groups > 0 ? rows * groups : 1));
     group_sums(x, rows, k, xsum);
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
-        const int64_t nr = rows - r0 < ROW_CHUNK ? rows - r0 : ROW_CHUNK;
-#pragma omp parallel num_threads(threads)
-        {
-            float ybuf[ROW_CHUNK * 16] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++)
-                block_rows(x + r0 * k, nr, k, packed + b * groups * RECORD, xsum + r0 * groups, y + r0 * n, n,
-                           b * 16, ybuf);
-        }
-    }
+    const struct mm_args args = {x, k, n, packed, xsum, y};
+    run_blocks(rows, n / 16, threads, block_rows, &args);
     free(xsum);
 }

@@ -18,7 +18,6 @@
 
 #define GROUP 32
 #define RECORD 576
-#define ROW_CHUNK 256
 
 /* One row's group: its dot with the codes, scaled. */
 #define ROW_GROUP(acc_y, xrow, g, w, d)                                                           \
@@ -35,9 +34,20 @@ static inline __m512bh codes_to_bf16(const int8_t *p) {
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-static void block_rows(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *rec0, void *y, int out_bf16,
-                       int64_t n, int64_t col0, float *ybuf) {
-    const int64_t groups = k / GROUP;
+struct mm_args {
+    const uint16_t *x;
+    int64_t k, n;
+    const uint8_t *packed;
+    void *y;
+    int out_bf16;
+};
+
+/* Block b of 16 output columns for rows r0 .. r0 + rows - 1 (see run_blocks in simd.h). */
+static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf) {
+    const struct mm_args *a = args;
+    const int64_t k = a->k, groups = k / GROUP;
+    const uint16_t *x = a->x + r0 * k;
+    const uint8_t *rec0 = a->packed + b * groups * RECORD;
     for (int64_t r = 0; r < rows; r++)
         _mm512_storeu_ps(ybuf + r * 16, _mm512_setzero_ps());
     for (int64_t g = 0; g < groups; g++) {
@@ -60,29 +70,13 @@ static void block_rows(const uint16_t *x, int64_t rows, int64_t k, const uint8_t
             _mm512_storeu_ps(ybuf + r * 16, y0);
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        if (out_bf16)
-            bf16_store((uint16_t *)y + r * n + col0, _mm512_loadu_ps(ybuf + r * 16));
-        else
-            _mm512_storeu_ps((float *)y + r * n + col0, _mm512_loadu_ps(ybuf + r * 16));
-    }
+    store_block(ybuf, rows, a->y, a->out_bf16, a->n, r0, b * 16);
 }
 
 /* x [rows, k] bf16, packed as above for n outputs, y [rows, n] fp32 (bf16 with out_bf16). threads: OpenMP
  * threads to use. */
 void dspark_q8_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, void *y,
                   int out_bf16, int threads) {
-    const size_t esize = out_bf16 ? 2 : 4;
-    const int64_t groups = k / GROUP, blocks = n / 16;
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
-        const int64_t nr = rows - r0 < ROW_CHUNK ? rows - r0 : ROW_CHUNK;
-#pragma omp parallel num_threads(threads)
-        {
-            float ybuf[ROW_CHUNK * 16] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++)
-                block_rows(x + r0 * k, nr, k, packed + b * groups * RECORD, (char *)y + r0 * n * esize, out_bf16, n,
-                           b * 16, ybuf);
-        }
-    }
+    const struct mm_args args = {x, k, n, packed, y, out_bf16};
+    run_blocks(rows, n / 16, threads, block_rows, &args);
 }

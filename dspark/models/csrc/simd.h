@@ -51,4 +51,33 @@ static inline __m512 exp_clamped(__m512 x) {
         s = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));                           \
     } while (0)
 
+/* The driver of the grouped-weight matmuls (int4_mm.c, q8_mm.c): rows in chunks of ROW_CHUNK, each chunk's
+ * blocks of 16 output columns split between threads whole. block(args, b, r0, rows, ybuf) leaves the
+ * chunk's outputs of block b in ybuf [rows, 16] fp32; store_block() writes them out. */
+#define ROW_CHUNK 256
+typedef void (*block_fn)(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf);
+
+static inline void store_block(const float *ybuf, int64_t rows, void *y, int out_bf16, int64_t n, int64_t r0,
+                               int64_t col0) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (out_bf16)
+            bf16_store((uint16_t *)y + (r0 + r) * n + col0, _mm512_loadu_ps(ybuf + r * 16));
+        else
+            _mm512_storeu_ps((float *)y + (r0 + r) * n + col0, _mm512_loadu_ps(ybuf + r * 16));
+    }
+}
+
+static inline void run_blocks(int64_t rows, int64_t blocks, int threads, block_fn block, const void *args) {
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
+        const int64_t nr = rows - r0 < ROW_CHUNK ? rows - r0 : ROW_CHUNK;
+#pragma omp parallel num_threads(threads)
+        {
+            float ybuf[ROW_CHUNK * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++)
+                block(args, b, r0, nr, ybuf);
+        }
+    }
+}
+
 #endif
