@@ -140,3 +140,96 @@ def test_embedded_model_runs_its_q8_head(embedded_dir):
     dec = load_decoder(embedded_dir, dtype=torch.bfloat16, quantization="auto")
     assert dec.lm_head_q8 is not None and dec.weight_format == "bfloat16/int4+q8-head"
     assert dec.lm_head.weight is dec.embed_tokens.weight  # the drafter still reads the bf16 rows
+
+
+# ---- the drafter's round on the kernels ------------------------------------------------------------
+def _markov_reference(anchors, base, w1, w2, w_tok, conf, d2t):
+    """Per position, as DraftRunner.step + argmax do it, in fp32 over the bf16 weights."""
+    r, n, _ = base.shape
+    tokens, confs, prev = torch.empty(r, n, dtype=torch.long), torch.empty(r, n), anchors.clone()
+    for k in range(n):
+        e = w1[prev].float()
+        ids = (base[:, k].float() + e @ w2.float().t()).argmax(-1)
+        confs[:, k] = conf[:, k] + e @ w_tok.float()
+        prev = d2t[ids] if d2t is not None else ids
+        tokens[:, k] = prev
+    return tokens, confs
+
+
+@pytest.mark.parametrize("vd, rank", [(300, 16), (16384, 64), (40, 7)])
+def test_markov_greedy_picks_what_the_per_position_path_picks(vd, rank):
+    gen = torch.Generator().manual_seed(vd)
+    vocab, r, n = vd + 500, 3, 5
+    w1 = (torch.randn(vocab, rank, generator=gen)).bfloat16()
+    w2 = (torch.randn(vd, rank, generator=gen) * 0.5).bfloat16()
+    w_tok = torch.randn(rank, generator=gen).bfloat16()
+    base = (torch.randn(r, n + 2, vd, generator=gen) * 4).bfloat16()[:, :n]  # a strided view, as block() gives
+    conf = torch.randn(r, n, generator=gen)
+    d2t = torch.randperm(vocab, generator=gen)[:vd]
+    anchors = torch.tensor([0, 7, vocab - 1])
+    tokens, confs = native.markov_greedy(lib, anchors, base, w1, native.markov_pack(lib, w2), w_tok, conf, d2t)
+    want, want_conf = _markov_reference(anchors, base, w1, w2, w_tok, conf, d2t)
+    assert torch.equal(tokens, want)
+    torch.testing.assert_close(confs, want_conf, rtol=1e-5, atol=1e-5)
+    bare, none = native.markov_greedy(lib, anchors, base, w1, native.markov_pack(lib, w2), None, None, None)
+    assert none is None and torch.equal(bare, _markov_reference(anchors, base, w1, w2, w_tok, conf, None)[0])
+
+
+def test_markov_greedy_breaks_ties_to_the_lowest_id_like_argmax():
+    vd, rank = 100, 4
+    w1, w2 = torch.zeros(10, rank).bfloat16(), torch.zeros(vd, rank).bfloat16()
+    base = torch.zeros(2, 3, vd).bfloat16()
+    base[0, :, [37, 53, 99]] = 1.0  # equal maxima in different tiles and lanes
+    base[1, :, [5, 21]] = 2.0
+    tokens, _ = native.markov_greedy(lib, torch.tensor([1, 2]), base, w1, native.markov_pack(lib, w2), None, None,
+                                     torch.arange(vd) % 10)
+    assert tokens.tolist() == [[7, 7, 7], [5, 5, 5]]  # ids 37 and 5 through d2t (id % 10)
+
+
+def _drafter(dtype=torch.bfloat16, pack=True):
+    from dspark.drafters import DrafterConfig, DSparkDrafter
+
+    gen = torch.Generator().manual_seed(3)
+    v, d = 400, 64
+    cfg = DrafterConfig(hidden_size=d, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=v, target_layer_ids=(0, 2), mask_token_id=v - 1, num_layers=2,
+                        block_size=5, markov_rank=16)
+    torch.manual_seed(3)
+    model = DSparkDrafter(cfg, torch.randn(v, d, generator=gen), torch.randn(v, d, generator=gen))
+    model.init_weights(0.2)
+    model = model.to(dtype).eval()
+    return model.pack() if pack else model
+
+
+def test_packed_drafter_on_kernels_drafts_like_the_pytorch_route():
+    """The kernels' round (fp32 attention over one key matrix per head, every greedy pick in one call)
+    against the same packed weights with PyTorch's attention and per-position heads, both measured
+    against the fp32 drafter: requests of different lengths, then a narrower round that reuses the
+    context buffer. Both routes round to bf16 and 8-bit weights, so neither is exact; the kernels' must
+    be no further off."""
+    from dspark.drafters.runner import DraftRunner
+
+    model, exact = _drafter(), _drafter(torch.float32, pack=False)
+    kernels = model.runner()
+    assert kernels._native and kernels._chain is not None
+    torch_route = DraftRunner(model, pack=True)
+    torch_route._native, torch_route._chain = False, None
+    feats = torch.randn(40, 2 * 64, generator=torch.Generator().manual_seed(4))
+    for lengths in ([31, 9, 20], [6]):
+        anchors = [11, 200, 3][:len(lengths)]
+        out = {}
+        for name, m, runner in (("kernels", model, kernels), ("torch", model, torch_route), ("fp32", exact, None)):
+            m._runner = runner if runner is not None else m._runner
+            caches = [m.new_cache() for _ in lengths]
+            m.extend_many(caches, [feats[:n].to(m.fc.weight.dtype) for n in lengths], [0] * len(lengths))
+            out[name] = m.draft(caches, anchors, lengths)
+            if name == "kernels":  # the engine's call: every pick in one kernel call, the same picks
+                lean = m.draft(caches, anchors, lengths, return_logits=False)
+                assert torch.equal(lean.tokens, out[name].tokens)
+                torch.testing.assert_close(lean.conf_logits, out[name].conf_logits, rtol=0, atol=0.05)
+        model._runner = kernels
+
+        def err(name):
+            return (out[name].logits.float() - out["fp32"].logits).abs().mean()
+
+        assert err("kernels") <= 1.25 * err("torch")

@@ -233,6 +233,10 @@ class DSparkDrafter(Backbone):
         h, base, conf_h = runner.block(caches, prev, torch.as_tensor(list(anchor_pos), dtype=torch.long,
                                                                      device=device), g)
         params = _per_row(r, temperature, top_k, top_p)
+        if not return_logits and all(t <= 0 for t, _, _ in params):
+            picked = runner.greedy_picks(prev, base, conf_h, self.d2t)
+            if picked is not None:
+                return DraftOutput(tokens=picked[0], probs=None, logits=None, conf_logits=picked[1])
         gens = list(generators) if generators is not None else [None] * r
         state = self.markov_head.init_state((r,), h) if self.markov_head is not None else None
         tokens, probs, logits, confs = [], [], [], []

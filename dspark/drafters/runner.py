@@ -16,7 +16,11 @@ of a round that the drafts' survival pays back is worth spending. Here:
   copy), and the engine does not ask for the corrected logits at all.
 On a CPU with packed bf16 kernels every matrix is in oneDNN's packed layout, and where dspark's
 kernels run (models/native.py) also rounded to 8-bit groups of 32 for calls of up to Q8_MAX_ROWS rows
-(half the bytes to read; the rounding moves a draft's logits by well under 1%). Drafts need not be
+(half the bytes to read; the rounding moves a draft's logits by well under 1%). There, too, attention
+is the kernels' fp32 row-at-a-time attention over one key matrix per head (the block writes its own
+keys and values after the context rows), and greedy drafts through the vanilla Markov head are picked
+for every position in one kernel call (markov.c) instead of ~8 PyTorch ops per position; batch-1
+rounds went from ~4.4 to ~2.7 ms. Drafts need not be
 bit-identical between batch shapes (verification keeps the output exact whatever is drafted), so calls
 are not padded to fixed row counts the way the target's are.
 
@@ -121,6 +125,7 @@ class DraftRunner:
         self.num_heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.gamma, self.vd = c.block_size, c.draft_vocab
         self._ctx_buf: torch.Tensor | None = None  # see _context
+        self._native = pack and native.library() is not None  # attention and greedy picks on dspark's kernels
         self.layers = [_Layer(layer, pack) for layer in drafter.layers]
         self.fc = _linear(drafter.fc.weight, None, pack)
         attns = [layer.self_attn for layer in drafter.layers]
@@ -141,6 +146,11 @@ class DraftRunner:
                 self.token_rows = _linear(w2 if w_tok is None else torch.cat([w2, w_tok]), None, pack)
             elif w_tok is not None:
                 self.conf_token = _linear(w_tok, None, pack)
+        self._chain = None  # (W1, packed W2, confidence token half): greedy picks in one call (markov.c)
+        if self._native and mh is not None and mh.head_type == "vanilla" and mh.rank <= 256:
+            self._chain = (mh.markov_w1.weight.detach().to(torch.bfloat16).contiguous(),
+                           native.markov_pack(native.library(), mh.markov_w2.weight),
+                           None if w_tok is None else w_tok[0].to(torch.bfloat16).contiguous())
 
     # ---- context ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -182,13 +192,14 @@ class DraftRunner:
         to each other); only the heads skip the slots nobody will verify."""
         dr, r, g = self.drafter, len(caches), self.gamma
         lengths = [c.length for c in caches]
-        ctx = self._context(caches)  # [layers, 2, R, kvh, L, hd]
+        ctx = self._context(caches)  # [layers, 2, R, kvh, L (+ gamma), hd]
         mask = None
-        if min(lengths) != max(lengths):
-            mask = draft_mask(torch.as_tensor(lengths, device=anchors.device), max(lengths), g).unsqueeze(1)
+        if min(lengths) != max(lengths) or self._native:
+            mask = draft_mask(torch.as_tensor(lengths, device=anchors.device), max(lengths), g).unsqueeze(1).contiguous()
         pos = block_positions(anchor_pos, g).reshape(-1)
-        cos, sin = dr.rotary.cos_sin(pos, ctx.dtype)
-        x = dr.embed_weight[dr._block_ids(anchors)].reshape(r * g, -1).to(ctx.dtype)
+        dtype = dr.fc.weight.dtype
+        cos, sin = dr.rotary.cos_sin(pos, dtype)
+        x = dr.embed_weight[dr._block_ids(anchors)].reshape(r * g, -1).to(dtype)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(layer, layer.input_norm(x), ctx[i], mask, cos, sin, r)
             gate, up = layer.gate_up(layer.post_norm(x)).split(layer.intermediate, dim=-1)
@@ -200,14 +211,17 @@ class DraftRunner:
         """The requests' cached context side by side, [layers, 2, R, kvh, L, hd] contiguous, with L the
         longest (zeros past a request's own length), so every head's keys are one plain matrix for the
         matmuls (a strided one is copied again inside them). Written into a buffer kept between rounds
-        (grown, never shrunk): a fresh one costs page faults on every round."""
+        (grown, never shrunk): a fresh one costs page faults on every round. On dspark's kernels the
+        buffer is fp32 with gamma more rows per head, where the block writes its own keys and values
+        (_attention), so that attention reads one key matrix per head."""
         r, length = len(caches), max(c.length for c in caches)
         ref = caches[0].kv
-        shape = (*ref.shape[:2], r, ref.shape[2], length, ref.shape[4])
+        rows = length + self.gamma if self._native else length
+        shape = (*ref.shape[:2], r, ref.shape[2], rows, ref.shape[4])
         need = math.prod(shape)
         have = 0 if self._ctx_buf is None else self._ctx_buf.numel()
         if have < need:
-            self._ctx_buf = ref.new_empty(max(need, 2 * have))
+            self._ctx_buf = ref.new_empty(max(need, 2 * have), dtype=torch.float32 if self._native else ref.dtype)
         ctx = self._ctx_buf[:need].view(shape)
         for i, c in enumerate(caches):
             ctx[:, :, i, :, :c.length] = c.filled()
@@ -224,6 +238,17 @@ class DraftRunner:
             return out, None
         return out[..., :self.vd], out[..., self.vd].float() + self.conf.proj.bias.float()
 
+    def greedy_picks(self, anchors: torch.Tensor, base: torch.Tensor, conf: torch.Tensor | None,
+                     d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Greedy drafts of every position at once through the vanilla Markov head on dspark's kernel:
+        anchors [R] target ids, base [R, n, Vd] and conf [R, n] from block() -> (target ids [R, n],
+        confidence logits [R, n] or None); None where the kernel does not run (then step() per position)."""
+        if self._chain is None or native.loaded() is None or base.dtype != torch.bfloat16:
+            return None
+        w1, w2, w_tok = self._chain
+        return native.markov_greedy(native.loaded(), anchors, base, w1, w2, w_tok if conf is not None else None,
+                                    conf, d2t)
+
     def _attention(self, layer: _Layer, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None,
                    cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
         """x [R*gamma, d] normed; ctx [2, R, kvh, L, hd] -> attention output after o_proj [R*gamma, d]."""
@@ -233,6 +258,14 @@ class DraftRunner:
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
         qk = apply_rotary(torch.cat([q, k], dim=1), cos, sin)
+        if self._native:  # the block's keys / values after the context rows, one fp32 row per key
+            length = ctx.shape[3] - g
+            ctx[0, :, :, length:] = qk[:, h:].view(r, g, hkv, hd).transpose(1, 2)
+            ctx[1, :, :, length:] = v.view(r, g, hkv, hd).transpose(1, 2)
+            q = qk[:, :h].view(r, g, h, hd).transpose(1, 2).float().mul_(hd ** -0.5)
+            out = native.attention(native.loaded(), q, ctx[0].transpose(0, 1), ctx[1].transpose(0, 1), mask,
+                                   out_dtype=x.dtype)  # [r, h, g, hd] laid out [r, g, h, hd]
+            return layer.o(out.transpose(1, 2).reshape(r * g, h * hd))
         q = qk[:, :h].view(r, g, h, hd).transpose(1, 2)
         out = _block_attention(q, ctx[0], ctx[1], qk[:, h:].view(r, g, hkv, hd),
                                v.reshape(r, g, hkv, hd), mask)

@@ -9,6 +9,8 @@
   that had to pad rows and keys to stay window-invariant.
 - `layer_ops.c`: RMSNorm (with the residual add), SiLU-gating, and RoPE with the KV cache write, one
   call each instead of 3-7 PyTorch ops: at batch 1 a step's time went mostly to dispatching small ops.
+- `markov.c`: greedy drafting through DSpark's vanilla Markov head, every position of a block in one
+  call (in PyTorch, ~8 ops and a 16k-row product per position, sequential by construction).
 
 Each gives a row the same result whatever the other rows of the call, which is what keeps speculative
 verification token-identical to plain decoding (tests/test_native.py, tests/test_packing.py).
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("int4_mm.c", "q8_mm.c", "attention.c", "layer_ops.c")]
+SOURCES = [CSRC / name for name in ("int4_mm.c", "q8_mm.c", "attention.c", "layer_ops.c", "markov.c")]
 FLAGS = ["-O3", "-std=gnu11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
          "-fPIC", "-shared"]
 ENV = "DSPARK_KERNELS"  # "auto" (default) or "torch": read at each library() call
@@ -44,6 +46,9 @@ SIGNATURES = {
     "dspark_add_rmsnorm": [_PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],
     "dspark_silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "dspark_rope_store": [_PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT],
+    "dspark_markov_pack": [_PTR, _I64, _I64, _PTR],
+    "dspark_markov_greedy": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
+                             _PTR, _INT],
 }
 
 _lib: ctypes.CDLL | None = None
@@ -155,6 +160,41 @@ def rope_store(lib, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
     lib.dspark_rope_store(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_scale, t, heads,
                           kv_heads, hd, q.data_ptr(), pool.data_ptr(), pool.shape[1], slots.data_ptr(), _threads())
     return q
+
+
+def markov_pack(lib, w: torch.Tensor) -> torch.Tensor:
+    """The Markov head's W2 [Vd, r] as markov_greedy() reads it (bf16 tiles of 16 rows)."""
+    w = w.detach().to(torch.bfloat16).contiguous()
+    vd, r = w.shape
+    out = torch.empty((vd + 15) // 16 * 16 * ((r + 1) // 2 * 2), dtype=torch.bfloat16)
+    lib.dspark_markov_pack(w.data_ptr(), vd, r, out.data_ptr())
+    return out
+
+
+def markov_greedy(lib, anchors: torch.Tensor, base: torch.Tensor, w1: torch.Tensor, w2_packed: torch.Tensor,
+                  w_tok: torch.Tensor | None, conf: torch.Tensor | None,
+                  d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Greedy picks of every block position through the vanilla Markov head: anchors [R] int64 target ids,
+    base logits [R, n, Vd] bf16 (unit last stride), W1 [V, r] bf16 contiguous, W2 from markov_pack(), the
+    confidence's token half w_tok [r] bf16 and its hidden half plus bias conf [R, n] fp32 (or both None),
+    d2t [Vd] int64 or None -> (target ids [R, n] int64, confidence logits [R, n] fp32 or None)."""
+    r, n, vd = base.shape
+    if base.stride(-1) != 1:
+        base = base.contiguous()
+    if r and n and not 0 <= int(anchors.min()) <= int(anchors.max()) < w1.shape[0]:
+        raise ValueError(f"anchor ids must be in [0, {w1.shape[0]})")
+    if w1.shape[1] > 256:
+        raise ValueError(f"markov_greedy takes a Markov rank of at most 256, got {w1.shape[1]}")
+    anchors = anchors.to(torch.long).contiguous()
+    tokens = torch.empty(r, n, dtype=torch.long)
+    conf = None if conf is None else conf.float().contiguous()
+    conf_out = None if conf is None else torch.empty(r, n, dtype=torch.float32)
+    lib.dspark_markov_greedy(anchors.data_ptr(), base.data_ptr(), base.stride(0), base.stride(1), r, n,
+                             vd, w1.data_ptr(), w1.shape[1], w2_packed.data_ptr(),
+                             None if w_tok is None else w_tok.data_ptr(), None if conf is None else conf.data_ptr(),
+                             None if d2t is None else d2t.data_ptr(), tokens.data_ptr(),
+                             None if conf_out is None else conf_out.data_ptr(), _threads())
+    return tokens, conf_out
 
 
 def attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
