@@ -136,6 +136,30 @@ def test_q8_head_matches_its_weight_and_rows_do_not_matter():
     _each_row_alone_is_the_same(head, x)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 70])
+def test_q8_vnni_rounds_the_rows_to_8_bits_and_rows_do_not_matter(rows):
+    """The drafter's route: rows rounded to 8-bit groups (scale max|x| / 127) times the 8-bit weights,
+    the integer sums exact. Against the same rounding done in fp32 it is exact up to fp32 sums."""
+    from dspark.models.q8 import GROUP as G, Q8Linear, fit_q8
+
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(100, 96, generator=gen) * 0.05  # 100 outputs: padded to 112 inside, cut back outside
+    x = _rows(rows, 96, seed=rows, scale=3.0)
+    x[0, :G] = 0  # a group of zeros (scale 0)
+    lin = Q8Linear(w, torch.randn(100, generator=gen), vnni=True)
+    codes, step, _ = fit_q8(w)
+    wq = (codes.float().view(100, -1, G) * step[..., None]).view(100, 96)
+    g = x.float().view(rows, -1, G)
+    mx = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(mx > 0, torch.full_like(mx, 127) / torch.where(mx > 0, mx, 1), 0)  # as the kernel does
+    # (127 / mx would be reciprocal(mx) * 127 in PyTorch, an ulp off and enough to move a tie)
+    xq = ((g * inv).round() * (mx / 127)).view(rows, 96)
+    torch.testing.assert_close(lin(x), xq @ wq.t() + lin.bias, rtol=1e-5, atol=1e-5)
+    _each_row_alone_is_the_same(lin, x)
+    with_8bit_rows = (lin(x) - lin.bias - x.float() @ wq.t()).norm() / (x.float() @ wq.t()).norm()
+    assert with_8bit_rows < 0.02  # what rounding the rows costs
+
+
 def test_embedded_model_runs_its_q8_head(embedded_dir):
     dec = load_decoder(embedded_dir, dtype=torch.bfloat16, quantization="auto")
     assert dec.lm_head_q8 is not None and dec.weight_format == "bfloat16/int4+q8-head"
@@ -186,13 +210,14 @@ def test_markov_greedy_breaks_ties_to_the_lowest_id_like_argmax():
     assert tokens.tolist() == [[7, 7, 7], [5, 5, 5]]  # ids 37 and 5 through d2t (id % 10)
 
 
-def _drafter(dtype=torch.bfloat16, pack=True):
+def _drafter(dtype=torch.bfloat16, pack=True, head_dim=16):
     from dspark.drafters import DrafterConfig, DSparkDrafter
 
     gen = torch.Generator().manual_seed(3)
     v, d = 400, 64
-    cfg = DrafterConfig(hidden_size=d, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, vocab_size=v, target_layer_ids=(0, 2), mask_token_id=v - 1, num_layers=2,
+    heads = d // head_dim
+    cfg = DrafterConfig(hidden_size=d, intermediate_size=128, num_attention_heads=heads,
+                        num_key_value_heads=heads // 2, head_dim=head_dim, vocab_size=v, target_layer_ids=(0, 2), mask_token_id=v - 1, num_layers=2,
                         block_size=5, markov_rank=16)
     torch.manual_seed(3)
     model = DSparkDrafter(cfg, torch.randn(v, d, generator=gen), torch.randn(v, d, generator=gen))
@@ -201,7 +226,8 @@ def _drafter(dtype=torch.bfloat16, pack=True):
     return model.pack() if pack else model
 
 
-def test_packed_drafter_on_kernels_drafts_like_the_pytorch_route():
+@pytest.mark.parametrize("head_dim", [16, 32])  # 32: RoPE and the block's K/V write in one kernel call
+def test_packed_drafter_on_kernels_drafts_like_the_pytorch_route(head_dim):
     """The kernels' round (fp32 attention over one key matrix per head, every greedy pick in one call)
     against the same packed weights with PyTorch's attention and per-position heads, both measured
     against the fp32 drafter: requests of different lengths, then a narrower round that reuses the
@@ -209,7 +235,7 @@ def test_packed_drafter_on_kernels_drafts_like_the_pytorch_route():
     be no further off."""
     from dspark.drafters.runner import DraftRunner
 
-    model, exact = _drafter(), _drafter(torch.float32, pack=False)
+    model, exact = _drafter(head_dim=head_dim), _drafter(torch.float32, pack=False, head_dim=head_dim)
     kernels = model.runner()
     assert kernels._native and kernels._chain is not None
     torch_route = DraftRunner(model, pack=True)

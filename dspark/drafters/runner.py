@@ -14,15 +14,15 @@ of a round that the drafts' survival pays back is worth spending. Here:
   between rounds) and joins context and block in the scores, not by copying K/V next to the block's;
 - the base logits stay in the drafter's dtype until a position is corrected (no whole-block fp32
   copy), and the engine does not ask for the corrected logits at all.
-On a CPU with packed bf16 kernels every matrix is in oneDNN's packed layout, and where dspark's
-kernels run (models/native.py) also rounded to 8-bit groups of 32 for calls of up to Q8_MAX_ROWS rows
-(half the bytes to read; the rounding moves a draft's logits by well under 1%). There, too, attention
-is the kernels' fp32 row-at-a-time attention over one key matrix per head (the block writes its own
-keys and values after the context rows), and greedy drafts through the vanilla Markov head are picked
-for every position in one kernel call (markov.c) instead of ~8 PyTorch ops per position; batch-1
-rounds went from ~4.4 to ~2.7 ms. Drafts need not be
-bit-identical between batch shapes (verification keeps the output exact whatever is drafted), so calls
-are not padded to fixed row counts the way the target's are.
+On a CPU with packed bf16 kernels every matrix is in oneDNN's packed layout. Where dspark's kernels
+run (models/native.py) the matrices are 8-bit groups of 32 instead, multiplied by rows rounded to 8-bit
+groups on VNNI (q8_vnni_mm.c: half the bytes of bf16, and faster than oneDNN's bf16 at every row count
+measured, 1 to 224; the rounding moves a draft's logits by under 1%); attention is the kernels' fp32
+row-at-a-time attention over one key matrix per head, with RoPE and the block's K/V write in one call;
+and greedy drafts through the vanilla Markov head are picked for every position in one call (markov.c)
+instead of ~8 PyTorch ops per position. Drafts need not be bit-identical between batch shapes
+(verification keeps the output exact whatever is drafted), so calls are not padded to fixed row counts
+the way the target's are.
 
 The training form (DSparkDrafter.forward_train) stays the reference this must match
 (tests/test_drafter.py::test_train_matches_draft).
@@ -46,27 +46,17 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Linear:
-    """x [..., in] -> [..., out]: dspark's 8-bit kernel or a packed oneDNN call, or F.linear on the
+    """x [..., in] -> [..., out]: dspark's 8-bit VNNI kernel, or a packed oneDNN call, or F.linear on the
     tensors as they are."""
     weight = weight.detach().contiguous()
     bias = None if bias is None else bias.detach()
     if pack:
+        if weight.dtype == torch.bfloat16 and weight.shape[1] % Q8_GROUP == 0 and native.library() is not None:
+            return Q8Linear(weight, bias, out_dtype=torch.bfloat16, vnni=True)
         from dspark.models.packing import PackedLinear
 
-        packed = PackedLinear(weight, bias)  # no row_chunk: no padding to fixed row counts
-        if weight.dtype == torch.bfloat16 and weight.shape[1] % Q8_GROUP == 0 and native.library() is not None:
-            return partial(_by_rows, Q8Linear(weight, bias, out_dtype=torch.bfloat16), packed)
-        return packed
+        return PackedLinear(weight, bias)  # no row_chunk: no padding to fixed row counts
     return partial(F.linear, weight=weight, bias=bias)
-
-
-Q8_MAX_ROWS = 32  # past this many rows a call is compute-bound, where oneDNN's packed bf16 is faster
-
-
-def _by_rows(q8: Linear, packed: Linear, x: torch.Tensor) -> torch.Tensor:
-    """The 8-bit kernel for the few rows of a batch-1 round (its weights are half the bytes), packed
-    bf16 for many."""
-    return q8(x) if x.numel() <= Q8_MAX_ROWS * x.shape[-1] else packed(x)
 
 
 def _fused(linears, pack: bool) -> Linear:
@@ -192,42 +182,93 @@ class DraftRunner:
         to each other); only the heads skip the slots nobody will verify."""
         dr, r, g = self.drafter, len(caches), self.gamma
         lengths = [c.length for c in caches]
-        ctx = self._context(caches)  # [layers, 2, R, kvh, L (+ gamma), hd]
-        mask = None
-        if min(lengths) != max(lengths) or self._native:
-            mask = draft_mask(torch.as_tensor(lengths, device=anchors.device), max(lengths), g).unsqueeze(1).contiguous()
+        ctx = self._context(caches)
         pos = block_positions(anchor_pos, g).reshape(-1)
-        dtype = dr.fc.weight.dtype
-        cos, sin = dr.rotary.cos_sin(pos, dtype)
-        x = dr.embed_weight[dr._block_ids(anchors)].reshape(r * g, -1).to(dtype)
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, layer.input_norm(x), ctx[i], mask, cos, sin, r)
-            gate, up = layer.gate_up(layer.post_norm(x)).split(layer.intermediate, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        h = dr.norm(x.view(r, g, -1)[:, :num_drafts or g])
+        x = dr.embed_weight[dr._block_ids(anchors)].reshape(r * g, -1).to(dr.fc.weight.dtype)
+        n = num_drafts or g
+        if self._native:
+            h = self._backbone_on_kernels(x, ctx, lengths, pos, r).view(r, g, -1)
+            h = h[:, :n].contiguous() if n < g else h
+        else:
+            mask = None
+            if min(lengths) != max(lengths):
+                mask = draft_mask(torch.as_tensor(lengths, device=anchors.device), max(lengths), g).unsqueeze(1)
+            cos, sin = dr.rotary.cos_sin(pos, x.dtype)
+            for i, layer in enumerate(self.layers):
+                x = x + self._attention(layer, layer.input_norm(x), ctx[i], mask, cos, sin, r)
+                gate, up = layer.gate_up(layer.post_norm(x)).split(layer.intermediate, dim=-1)
+                x = x + layer.down(F.silu(gate) * up)
+            h = dr.norm(x.view(r, g, -1)[:, :n])
         return (h, *self.heads(h))
 
     def _context(self, caches: Sequence[DrafterCache]) -> torch.Tensor:
         """The requests' cached context side by side, [layers, 2, R, kvh, L, hd] contiguous, with L the
         longest (zeros past a request's own length), so every head's keys are one plain matrix for the
         matmuls (a strided one is copied again inside them). Written into a buffer kept between rounds
-        (grown, never shrunk): a fresh one costs page faults on every round. On dspark's kernels the
-        buffer is fp32 with gamma more rows per head, where the block writes its own keys and values
-        (_attention), so that attention reads one key matrix per head."""
+        (grown, never shrunk): a fresh one costs page faults on every round.
+
+        On dspark's kernels it is [layers, 2, kvh, R, L + gamma, hd] fp32 instead: each layer's keys and
+        values are then a cache pool as the target's attention kernels read and write it (heads outermost),
+        and the block writes its own keys and values into the gamma rows after the context."""
         r, length = len(caches), max(c.length for c in caches)
         ref = caches[0].kv
-        rows = length + self.gamma if self._native else length
-        shape = (*ref.shape[:2], r, ref.shape[2], rows, ref.shape[4])
+        layers, _, kvh, _, hd = ref.shape
+        shape = (layers, 2, kvh, r, length + self.gamma, hd) if self._native else (layers, 2, r, kvh, length, hd)
         need = math.prod(shape)
         have = 0 if self._ctx_buf is None else self._ctx_buf.numel()
         if have < need:
             self._ctx_buf = ref.new_empty(max(need, 2 * have), dtype=torch.float32 if self._native else ref.dtype)
         ctx = self._ctx_buf[:need].view(shape)
+        per_request = ctx.transpose(2, 3) if self._native else ctx  # [layers, 2, R, kvh, rows, hd]
         for i, c in enumerate(caches):
-            ctx[:, :, i, :, :c.length] = c.filled()
+            per_request[:, :, i, :, :c.length] = c.filled()
             if c.length < length:
-                ctx[:, :, i, :, c.length:] = 0
+                per_request[:, :, i, :, c.length:length] = 0
         return ctx
+
+    def _backbone_on_kernels(self, x: torch.Tensor, ctx: torch.Tensor, lengths: list[int], pos: torch.Tensor,
+                             r: int) -> torch.Tensor:
+        """The block's layers on dspark's kernels: x [R*gamma, d] embedded block, ctx from _context ->
+        final-normed hidden [R*gamma, d]. Per layer: the residual add joined to the next norm, RoPE with
+        the block's K/V write, fp32 attention over one key matrix per head, SiLU-gating; each one call."""
+        dr, g, lib = self.drafter, self.gamma, native.loaded()
+        length, rows = max(lengths), ctx.shape[4]
+        mask = draft_mask(torch.as_tensor(lengths), length, g).unsqueeze(1).contiguous()  # [R, 1, gamma, rows]
+        slots = (torch.arange(r).unsqueeze(1) * rows + length + torch.arange(g)).reshape(-1)  # block rows in the pool
+        cos, sin = dr.rotary.tables(pos)
+        xn = self.layers[0].input_norm(x)
+        for i, layer in enumerate(self.layers):
+            a = self._attention_on_kernels(layer, xn, ctx[i], mask, pos, cos, sin, slots, r)
+            x, xn = layer.post_norm.add_forward(a, x)
+            gu = layer.gate_up(xn)
+            if layer.intermediate % 16 == 0 and gu.is_contiguous():
+                m = layer.down(native.silu_mul(lib, gu))
+            else:
+                gate, up = gu.split(layer.intermediate, dim=-1)
+                m = layer.down(F.silu(gate) * up)
+            x, xn = (self.layers[i + 1].input_norm if i + 1 < len(self.layers) else dr.norm).add_forward(m, x)
+        return xn
+
+    def _attention_on_kernels(self, layer: _Layer, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor,
+                              pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                              r: int) -> torch.Tensor:
+        """x [R*gamma, d] normed; ctx [2, kvh, R, rows, hd] fp32 (this layer's part of _context);
+        cos / sin: fp32 tables covering pos -> attention output after o_proj [R*gamma, d]."""
+        h, hkv, hd, g, lib = self.num_heads, self.kv_heads, self.head_dim, self.gamma, native.loaded()
+        qkv = layer.qkv(x).view(r * g, h + 2 * hkv, hd)
+        pool = ctx.view(2 * hkv, -1, hd)
+        if layer.q_norm is None and hd % 32 == 0 and qkv.dtype == torch.bfloat16 and qkv.is_contiguous():
+            q = native.rope_store(lib, qkv, pos, cos, sin, hd ** -0.5, h, hkv, pool, slots)
+        else:
+            q, k, v = qkv.float().split([h, hkv, hkv], dim=1)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            qk = apply_rotary(torch.cat([q, k], dim=1), cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+            pool.index_copy_(1, slots, torch.cat([qk[:, h:], v], dim=1).transpose(0, 1))
+            q = qk[:, :h] * hd ** -0.5
+        out = native.attention(lib, q.view(r, g, h, hd).transpose(1, 2), ctx[0], ctx[1], mask,
+                               out_dtype=x.dtype)  # [R, h, gamma, hd] laid out [R, gamma, h, hd]
+        return layer.o(out.transpose(1, 2).reshape(r * g, h * hd))
 
     def heads(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final-normed hidden h [..., d] -> (base logits [..., Vd] in the drafter's dtype, converted to
@@ -258,14 +299,6 @@ class DraftRunner:
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
         qk = apply_rotary(torch.cat([q, k], dim=1), cos, sin)
-        if self._native:  # the block's keys / values after the context rows, one fp32 row per key
-            length = ctx.shape[3] - g
-            ctx[0, :, :, length:] = qk[:, h:].view(r, g, hkv, hd).transpose(1, 2)
-            ctx[1, :, :, length:] = v.view(r, g, hkv, hd).transpose(1, 2)
-            q = qk[:, :h].view(r, g, h, hd).transpose(1, 2).float().mul_(hd ** -0.5)
-            out = native.attention(native.loaded(), q, ctx[0].transpose(0, 1), ctx[1].transpose(0, 1), mask,
-                                   out_dtype=x.dtype)  # [r, h, g, hd] laid out [r, g, h, hd]
-            return layer.o(out.transpose(1, 2).reshape(r * g, h * hd))
         q = qk[:, :h].view(r, g, h, hd).transpose(1, 2)
         out = _block_attention(q, ctx[0], ctx[1], qk[:, h:].view(r, g, hkv, hd),
                                v.reshape(r, g, hkv, hd), mask)

@@ -5,6 +5,8 @@
   CPU's bf16 speed; this one decodes each tile once per call for every row (AVX-512 BF16).
 - `q8_mm.c`: the same for 8-bit groups (GGUF Q8_0), fp32 out: the embedded model's LM head in its own
   8-bit form, half the bytes of bf16.
+- `q8_vnni_mm.c`: 8-bit weights times rows rounded to 8-bit groups too, on VNNI (twice the multiply-adds
+  an instruction, no decoding of the codes): the drafter's projections, whose drafts need not be exact.
 - `attention.c`: fp32 attention one row at a time, in place of a chain of ~15 PyTorch ops per layer
   that had to pad rows and keys to stay window-invariant.
 - `layer_ops.c`: RMSNorm (with the residual add), SiLU-gating, and RoPE with the KV cache write, one
@@ -17,7 +19,7 @@ verification token-identical to plain decoding (tests/test_native.py, tests/test
 
 The shared library is compiled on first use (a few seconds; `dspark prepare` does it ahead) into
 $DSPARK_HOME/kernels, keyed by a hash of the sources and flags. Where there is no C compiler or the CPU
-lacks AVX-512 BF16, or with DSPARK_KERNELS=torch, `library()` returns None and models run on PyTorch
+lacks AVX-512 BF16 and VNNI, or with DSPARK_KERNELS=torch, `library()` returns None and models run on PyTorch
 ops alone (a process picks one or the other per model load, never both within a model).
 """
 from __future__ import annotations
@@ -33,14 +35,16 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("int4_mm.c", "q8_mm.c", "attention.c", "layer_ops.c", "markov.c")]
-FLAGS = ["-O3", "-std=gnu11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
+SOURCES = [CSRC / name for name in ("int4_mm.c", "q8_mm.c", "q8_vnni_mm.c", "attention.c", "layer_ops.c",
+                                           "markov.c")]
+FLAGS = ["-O3", "-std=gnu11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp",
          "-fPIC", "-shared"]
 ENV = "DSPARK_KERNELS"  # "auto" (default) or "torch": read at each library() call
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "dspark_int4_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT],
     "dspark_q8_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT, _INT],
+    "dspark_q8_vnni_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT, _PTR, _PTR, _PTR, _INT],
     "dspark_attention": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _I64,
                          _I64, _I64, _I64, _I64, _I64, _I64, _INT],
     "dspark_add_rmsnorm": [_PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],
@@ -95,7 +99,7 @@ def library() -> ctypes.CDLL | None:
             _build(path)
         lib = ctypes.CDLL(str(path))  # after torch: its libgomp (same soname) serves this library too
         if not lib.dspark_supported():
-            _why = "this CPU lacks AVX-512 BF16"
+            _why = "this CPU lacks AVX-512 BF16 and VNNI"
             return None
         for name, args in SIGNATURES.items():
             getattr(lib, name).argtypes = args

@@ -10,7 +10,7 @@
 int dspark_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512bf16");
+           __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
 }
 
 #define PARALLEL_ELEMENTS 65536 /* below this many elements a call runs on one thread */

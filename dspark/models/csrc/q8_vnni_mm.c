@@ -1,0 +1,91 @@
+/* y = x @ W^T for 8-bit grouped weights (W[n, k] = d[n, g] * q[n, k], g = k / 32) with the activations
+ * rounded to 8-bit groups too, on AVX-512 VNNI: VPDPBUSD does 64 multiply-adds an instruction against
+ * VDPBF16PS's 32, and the codes are used as they are stored (no decoding to bf16).
+ *
+ * Each row's group of 32 is rounded to x = e * u with e = max|x| / 127 and u in -127..127. VPDPBUSD multiplies
+ * unsigned by signed bytes, so the codes are stored as q + 128 and y[r, n] += d[n, g] * e[r, g] *
+ * (sum_k (q + 128) u - 128 sum_k u): integer sums are exact, and the row's sum of u per group is kept
+ * beside its scale. Used for the
+ * drafter's projections, whose drafts need not be exact (verification keeps the output lossless), never
+ * for the target. A row's result depends on that row alone.
+ *
+ * Layout (q8.pack_for_vnni): for each block of 16 output columns, for each group, a 576-byte record: 512
+ * bytes of codes plus 128 (8 vectors; byte 4 c + i of vector p is q[16 * block + c, 32 * g + 4 p + i] + 128),
+ * then the 16 columns' d as fp32.
+ */
+#include "simd.h"
+
+#define GROUP 32
+#define RECORD 576
+
+/* acc += the unsigned bytes of w . the signed bytes at x (4, broadcast), lane by lane */
+#define DPBUSD_BCAST(acc, w, x) __asm__("vpdpbusd %[xv]%{1to16%}, %[wv], %[av]" : [av] "+v"(acc) : [wv] "v"(w), [xv] "m"(x))
+
+struct vnni_args {
+    const int8_t *xq;   /* [rows, k] u */
+    const float *e;     /* [rows, k / GROUP] */
+    const int32_t *sx;  /* [rows, k / GROUP]: sum of u over the group */
+    int64_t k, n;
+    const uint8_t *packed;
+    void *y;
+    int out_bf16;
+};
+
+/* Row r's groups of 32 -> bytes u, scales e and sums of u (a group of zeros gets e = 0, u = 0). */
+static void quantize_row(const uint16_t *x, int64_t k, int8_t *xq, float *e, int32_t *sx) {
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const __m512 a = bf16_load(x + g * GROUP), b = bf16_load(x + g * GROUP + 16);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+        e[g] = mx / 127.0f;
+        const __m512 s = _mm512_set1_ps(inv);
+        const __m512i ua = _mm512_cvtps_epi32(_mm512_mul_ps(a, s));  /* rounded to nearest */
+        const __m512i ub = _mm512_cvtps_epi32(_mm512_mul_ps(b, s));
+        sx[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(ua, ub));
+        _mm_storeu_si128((__m128i *)(xq + g * GROUP), _mm512_cvtepi32_epi8(ua));
+        _mm_storeu_si128((__m128i *)(xq + g * GROUP + 16), _mm512_cvtepi32_epi8(ub));
+    }
+}
+
+static inline __m512 row_group(const int8_t *xg, const __m512i *w, int32_t sum) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    for (int p = 0; p < 8; p += 2) {
+        DPBUSD_BCAST(a0, w[p], ((const int32_t *)xg)[p]);
+        DPBUSD_BCAST(a1, w[p + 1], ((const int32_t *)xg)[p + 1]);
+    }
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(128 * sum)));
+}
+
+static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf) {
+    const struct vnni_args *a = args;
+    const int64_t k = a->k, groups = k / GROUP;
+    const uint8_t *rec0 = a->packed + b * groups * RECORD;
+    for (int64_t r = 0; r < rows; r++)
+        _mm512_storeu_ps(ybuf + r * 16, _mm512_setzero_ps());
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *rec = rec0 + g * RECORD;
+        __m512i w[8];
+        for (int p = 0; p < 8; p++)
+            w[p] = _mm512_loadu_si512(rec + 64 * p);
+        const __m512 d = _mm512_loadu_ps((const float *)(rec + 512));
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t row = r0 + r;
+            const __m512 s = row_group(a->xq + row * k + g * GROUP, w, a->sx[row * groups + g]);
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a->e[row * groups + g]));
+            _mm512_storeu_ps(ybuf + r * 16, _mm512_fmadd_ps(s, scale, _mm512_loadu_ps(ybuf + r * 16)));
+        }
+    }
+    store_block(ybuf, rows, a->y, a->out_bf16, a->n, r0, b * 16);
+}
+
+/* x [rows, k] bf16, packed as above for n outputs (a multiple of 16), y [rows, n] fp32 (bf16 with
+ * out_bf16); xq [rows, k] bytes, e [rows, k / 32] fp32 and sx [rows, k / 32] int32 are the caller's scratch. */
+void dspark_q8_vnni_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, void *y,
+                       int out_bf16, int8_t *xq, float *e, int32_t *sx, int threads) {
+    const int64_t groups = k / GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 64)
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x + r * k, k, xq + r * k, e + r * groups, sx + r * groups);
+    const struct vnni_args args = {xq, e, sx, k, n, packed, y, out_bf16};
+    run_blocks(rows, n / 16, threads, block_rows, &args);
+}
