@@ -1,9 +1,9 @@
 /* Attention of fp32 queries over fp32 keys and values, one row at a time, on AVX-512 CPUs.
  *
  * Every (sequence, head, query) row runs the same loop whatever the other rows of the call: scores
- * over all S keys in key order (an AVX-512 dot product over head_dim, reduced in one fixed order),
- * masked keys left out, an exponential of fixed polynomial form, and probs @ values summed in key
- * order. A key the row may not see contributes nothing (not even a rounding), so the result is the
+ * over all S keys, 16 at a time (an AVX-512 dot product over head_dim per key, the 16 reduced together
+ * in a tree that adds every key's lanes in the same order), masked keys left out, an exponential of
+ * fixed polynomial form, and probs @ values summed in key order. A key the row may not see contributes nothing (not even a rounding), so the result is the
  * same however far S is padded and however many queries share the call: what keeps a verify window's
  * rows bit-identical to the same positions decoded one at a time. A row that may see no key gets zeros.
  */
@@ -19,24 +19,69 @@ static inline void store_row(void *out, int64_t j, __m512 x, int bf16) {
         _mm512_storeu_ps((float *)out + 16 * j, x);
 }
 
+/* 16 vectors of lane-wise partial sums, one key each, -> the 16 keys' sums in one vector (in the order
+ * key_order() undoes). Each key's 16 lanes are added in the same tree whatever its slot: lanes i and
+ * i + 8, then pairs, so a score never depends on which keys share its vector. */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++)
+        e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The permutation that puts sum16's lanes back in key order (found by running it on key numbers). */
+static __m512i key_order(void) {
+    __m512 a[16];
+    for (int j = 0; j < 16; j++)
+        a[j] = _mm512_set1_ps((float)j);
+    float lanes[16];
+    int32_t idx[16];
+    _mm512_storeu_ps(lanes, sum16(a));
+    for (int l = 0; l < 16; l++)
+        idx[(int)(lanes[l] / 16.0f)] = l;
+    return _mm512_loadu_si512(idx);
+}
+
 static void attend_row(const float *q, const float *k, const float *v, const uint8_t *mask, int64_t s_len,
-                       int64_t hd, void *out, int bf16, float *sc) {
+                       int64_t hd, void *out, int bf16, float *sc, __m512i order) {
     const int64_t nv = hd / 16;
     __m512 qv[16];
     for (int64_t j = 0; j < nv; j++)
         qv[j] = _mm512_loadu_ps(q + 16 * j);
-    float mx = -INFINITY;
-    for (int64_t s = 0; s < s_len; s++) {
-        if (!mask[s])
+    /* scores 16 keys at a time (groups the row may not see at all are skipped); masked keys -inf */
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t s0 = 0; s0 < s_len; s0 += 16) {
+        const int64_t n = s_len - s0 < 16 ? s_len - s0 : 16;
+        __mmask16 live = 0;
+        for (int64_t i = 0; i < n; i++)
+            live |= (__mmask16)((mask[s0 + i] != 0) << i);
+        if (!live)
             continue;
-        const float *ks = k + s * hd;
-        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(ks));
-        for (int64_t j = 1; j < nv; j++)
-            acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(ks + 16 * j), acc);
-        const float dot = _mm512_reduce_add_ps(acc);
-        sc[s] = dot;
-        mx = dot > mx ? dot : mx;
+        __m512 acc[16];
+        for (int64_t i = 0; i < 16; i++) {
+            if (i >= n) {
+                acc[i] = _mm512_setzero_ps();
+                continue;
+            }
+            const float *ks = k + (s0 + i) * hd;
+            acc[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(ks));
+            for (int64_t j = 1; j < nv; j++)
+                acc[i] = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(ks + 16 * j), acc[i]);
+        }
+        const __m512 dots = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                               _mm512_permutexvar_ps(order, sum16(acc)));
+        _mm512_storeu_ps(sc + s0, dots);  /* sc has 16 floats of slack */
+        vmax = _mm512_max_ps(vmax, dots);
     }
+    const float mx = _mm512_reduce_max_ps(vmax);
     __m512 o[16];
     for (int64_t j = 0; j < nv; j++)
         o[j] = _mm512_setzero_ps();
@@ -79,6 +124,7 @@ void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, con
                       int64_t osh, int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len,
                       int64_t hd, int threads) {
     const int64_t group = h_len / hkv;
+    const __m512i order = key_order();
 #pragma omp parallel num_threads(threads)
     {
         float *sc = (float *)malloc(sizeof(float) * (size_t)(s_len + 16));
@@ -89,7 +135,7 @@ void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, con
             for (int64_t i = 0; i < q_len; i++)
                 attend_row(q + b * qsb + h * qsh + i * qsq, k + kv_off, v + kv_off,
                            mask + (b * q_len + i) * s_len, s_len, hd,
-                           (char *)out + (b * osb + h * osh + i * osq) * (out_bf16 ? 2 : 4), out_bf16, sc);
+                           (char *)out + (b * osb + h * osh + i * osq) * (out_bf16 ? 2 : 4), out_bf16, sc, order);
         }
         free(sc);
     }
