@@ -108,6 +108,9 @@ def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedd
     torch.testing.assert_close(one, logits_by_chunks(ref, ids, [32] + [1] * 16), rtol=0.05, atol=1.0)  # bf16 roundings through 30 layers
     assert (one.argmax(-1) == logits_by_chunks(ref, ids, [32] + [1] * 16).argmax(-1)).float().mean() >= 0.9
     assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
+    assert dec._fused  # one sequence: every layer ran as one call (csrc/layer.c) ...
+    dec._fused = False  # ... with the same bits as the layer-by-layer path that batches take
+    assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
 
 
 def test_switched_off_by_environment(monkeypatch):

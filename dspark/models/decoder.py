@@ -114,6 +114,33 @@ class DecoderLayer(nn.Module):
         x, normed = self.post_attention_layernorm.add_forward(x, h)  # x + h and its norm: one kernel call
         return x + self.mlp.forward(normed)
 
+    def fusable(self) -> bool:
+        """Whether forward_fused() can run this layer: every projection on dspark's 4-bit kernel, no
+        biases, q/k norms or shapes the kernels do not take."""
+        from dspark.models.int4 import Int4Linear
+
+        a, m = self.self_attn, self.mlp
+        linears = (a.qkv_proj, a.o_proj, m.gate_up, m.down)
+        return (all(isinstance(lin, Int4Linear) and lin._native and lin.bias is None for lin in linears)
+                and a.q_norm is None and a.hd % 32 == 0 and m.intermediate % 16 == 0
+                and self.input_layernorm.weight.shape[0] % 16 == 0)
+
+    def forward_fused(self, x: torch.Tensor, rope: KernelRope, kv_pool: torch.Tensor, meta: AttentionMetadata,
+                      scratch: torch.Tensor, q_buf: torch.Tensor) -> torch.Tensor:
+        """forward() for one sequence reading consecutive cache rows, as one kernel call (csrc/layer.c:
+        the same kernels in the same order, so the same bits); scratch and q_buf from Decoder.forward."""
+        a, m, g = self.self_attn, self.mlp, meta.groups[0]
+        out = torch.empty_like(x)
+        native.loaded().dspark_layer(
+            x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.input_layernorm._cached_weight(None).data_ptr(),
+            self.post_attention_layernorm._cached_weight(None).data_ptr(), self.input_layernorm.eps,
+            a.qkv_proj.packed.data_ptr(), a.o_proj.packed.data_ptr(), m.gate_up.packed.data_ptr(),
+            m.down.packed.data_ptr(), a.h, a.hkv, a.hd, m.intermediate, rope.positions.data_ptr(),
+            rope.cos.data_ptr(), rope.sin.data_ptr(), rope.q_scale, kv_pool.data_ptr(), kv_pool.shape[1],
+            meta.slot_mapping.data_ptr(), g.kv_start, g.mask.data_ptr(), g.mask.shape[-1], scratch.data_ptr(),
+            q_buf.data_ptr(), torch.get_num_threads())
+        return out
+
 
 class Decoder(nn.Module):
     """The target model. `forward` appends a ragged batch of tokens to the cache and returns logits
@@ -133,6 +160,7 @@ class Decoder(nn.Module):
         self.lm_head_q8: nn.Module | None = None  # the LM head in its own 8-bit groups, where the loader found them
         self.kernels = native.library() is not None  # dspark's CPU kernels (models/native.py) run this model
         self._kernel_rope = self.kernels and not cfg.qk_norm and cfg.head_dim % 32 == 0
+        self._fused: bool | None = None  # every layer runs as one kernel call for one sequence (set on first use)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -167,6 +195,18 @@ class Decoder(nn.Module):
                          sin.new_zeros(()).expand(shape(c.num_kv_heads))], dim=1)
         return cos, sin
 
+    def _one_sequence(self, meta: AttentionMetadata) -> bool:
+        """Whether this step can run every layer fused (DecoderLayer.forward_fused): one sequence whose
+        window reads consecutive cache rows, and layers the fused call takes."""
+        if len(meta.groups) != 1:
+            return False
+        g = meta.groups[0]
+        if g.kv_start is None or g.q_index is not None or g.rows is not None or not g.mask.is_contiguous():
+            return False
+        if self._fused is None:
+            self._fused = all(layer.fusable() for layer in self.layers)
+        return self._fused
+
     def new_cache(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
         c = self.config
         return KVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -186,11 +226,21 @@ class Decoder(nn.Module):
             rope = self.rope_tables(positions)
         wanted = set(hidden_layers)
         taps = {}
-        # hot loop: .forward() skips nn.Module.__call__'s hook handling (a few us a call, ~150 calls a step)
-        for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
-            x = layer.forward(x, rope, pool, meta)
-            if i in wanted:
-                taps[i] = x
+        if isinstance(rope, KernelRope) and self._one_sequence(meta) and x.is_contiguous():
+            c, t = self.config, x.shape[0]
+            scratch = x.new_empty(t * (5 * c.hidden_size + (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                                       + 3 * c.intermediate_size))
+            q_buf = torch.empty(t * c.num_heads * c.head_dim, dtype=torch.float32)
+            for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
+                x = layer.forward_fused(x, rope, pool, meta, scratch, q_buf)
+                if i in wanted:
+                    taps[i] = x
+        else:
+            # hot loop: .forward() skips nn.Module.__call__'s hook handling (a few us a call, ~150 calls a step)
+            for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
+                x = layer.forward(x, rope, pool, meta)
+                if i in wanted:
+                    taps[i] = x
         hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1) if hidden_layers else None
         logits = None
         if logits_rows is not None:

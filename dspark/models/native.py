@@ -11,6 +11,8 @@
   that had to pad rows and keys to stay window-invariant.
 - `layer_ops.c`: RMSNorm (with the residual add), SiLU-gating, and RoPE with the KV cache write, one
   call each instead of 3-7 PyTorch ops: at batch 1 a step's time went mostly to dispatching small ops.
+- `layer.c`: a whole decoder layer of one sequence as one call (the kernels above in the Python layer's
+  order, so the same bits): at batch 1 the Python between ~10 kernel calls a layer cost as much as they did.
 - `markov.c`: greedy drafting through DSpark's vanilla Markov head, every position of a block in one
   call (in PyTorch, ~8 ops and a 16k-row product per position, sequential by construction).
 
@@ -36,7 +38,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("int4_mm.c", "q8_mm.c", "q8_vnni_mm.c", "attention.c", "layer_ops.c",
-                                           "markov.c")]
+                                           "layer.c", "markov.c")]
 FLAGS = ["-O3", "-std=gnu11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp",
          "-fPIC", "-shared"]
 ENV = "DSPARK_KERNELS"  # "auto" (default) or "torch": read at each library() call
@@ -50,6 +52,8 @@ SIGNATURES = {
     "dspark_add_rmsnorm": [_PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],
     "dspark_silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "dspark_rope_store": [_PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT],
+    "dspark_layer": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
+                     _PTR, _PTR, _F32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT],
     "dspark_markov_pack": [_PTR, _I64, _I64, _PTR],
     "dspark_markov_greedy": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
                              _PTR, _INT],
@@ -58,6 +62,7 @@ SIGNATURES = {
 _lib: ctypes.CDLL | None = None
 _tried = False
 _why = ""
+_key = ""  # the loaded build's hash of sources and flags
 
 
 def _cache_dir() -> Path:
@@ -85,7 +90,7 @@ def _build(out: Path) -> None:
 def library() -> ctypes.CDLL | None:
     """The kernels, building them on first use; None where they cannot run here (see why()) or when
     DSPARK_KERNELS=torch is set (read at each call, so one process can load a model both ways)."""
-    global _lib, _tried, _why
+    global _lib, _tried, _why, _key
     if os.environ.get(ENV, "auto") == "torch":
         return None
     if _tried:
@@ -107,7 +112,7 @@ def library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         _why = str(e)
         return None
-    _lib = lib
+    _lib, _key = lib, key
     return _lib
 
 
@@ -115,6 +120,12 @@ def loaded() -> ctypes.CDLL | None:
     """The library if library() has loaded it, whatever DSPARK_KERNELS says now: modules decide at
     construction (a bool, so they stay deep-copyable) and fetch it here at each call."""
     return _lib
+
+
+def build_key() -> str:
+    """The loaded kernels' hash of sources and flags ("" when none are loaded): what a cached timing
+    of them (an SPS table) is valid for."""
+    return _key if _lib is not None else ""
 
 
 def why() -> str:
