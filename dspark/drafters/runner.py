@@ -80,6 +80,15 @@ class _Layer:
         self.intermediate = layer.mlp.intermediate
 
 
+def _fusable(layer: _Layer, head_dim: int) -> bool:
+    """Whether a layer runs as one kernel call (dspark_drafter_layer): 8-bit VNNI projections without
+    biases or padding, shapes the kernels take."""
+    linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    return (all(isinstance(lin, Q8Linear) and lin.vnni and lin.bias is None and lin._rows == lin.out_features
+                for lin in linears)
+            and head_dim % 32 == 0 and layer.intermediate % 16 == 0)
+
+
 def _block_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, own_k: torch.Tensor,
                      own_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention of a block's queries q [R, h, g, hd] over the cached context ctx_k, ctx_v [R, kvh, L, hd]
@@ -136,6 +145,12 @@ class DraftRunner:
                 self.token_rows = _linear(w2 if w_tok is None else torch.cat([w2, w_tok]), None, pack)
             elif w_tok is not None:
                 self.conf_token = _linear(w_tok, None, pack)
+        self._fused_layers = self._native and all(_fusable(layer, c.head_dim) for layer in self.layers)
+        self._fused_context = (self._native and c.head_dim % 32 == 0 and c.hidden_size % 16 == 0
+                               and all(isinstance(lin, Q8Linear) and lin.vnni and lin._rows == lin.out_features
+                                       for lin in (self.fc, self.ctx_kv)))
+        self._ctx_k_gains = (None if self.ctx_k_norms is None else  # [layers, hd] fp32, for the fused call
+                             torch.stack([norm._cached_weight(None) for norm in self.ctx_k_norms]).contiguous())
         self._chain = None  # (W1, packed W2, confidence token half): greedy picks in one call (markov.c)
         if self._native and mh is not None and mh.head_type == "vanilla" and mh.rank <= 256:
             self._chain = (mh.markov_w1.weight.detach().to(torch.bfloat16).contiguous(),
@@ -147,6 +162,8 @@ class DraftRunner:
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Target features [n, m*d] at positions [n] -> context K/V of every layer [n, layers, 2, kvh, hd]."""
         dr, n = self.drafter, features.shape[0]
+        if self._native and self._fused_context and features.dtype == torch.bfloat16 and features.is_contiguous():
+            return self._context_kv_fused(features, positions)
         ctx = dr.hidden_norm(self.fc(features.to(dr.fc.weight.dtype)))
         kv = self.ctx_kv(ctx).view(n, len(self.layers), 2, self.kv_heads, self.head_dim)
         k = kv[:, :, 0]
@@ -155,6 +172,27 @@ class DraftRunner:
         cos, sin = dr.rotary.cos_sin(positions, k.dtype)
         k = apply_rotary(k.reshape(n, -1, self.head_dim), cos, sin).view_as(k)
         return torch.stack([k, kv[:, :, 1]], dim=2)
+
+    def _context_kv_fused(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """context_kv() as one kernel call (csrc/layer.c, dspark_drafter_context)."""
+        dr, (n, k_in), d = self.drafter, features.shape, self.drafter.config.hidden_size
+        layers, hkv, hd = len(self.layers), self.kv_heads, self.head_dim
+        out = torch.empty(n, layers, 2, hkv, hd, dtype=torch.bfloat16)
+        scratch = torch.empty(n * d, dtype=torch.bfloat16)
+        widest = max(k_in, d)
+        xq = torch.empty(n * widest, dtype=torch.int8)
+        e = torch.empty(n * widest // Q8_GROUP, dtype=torch.float32)
+        sx = torch.empty(n * widest // Q8_GROUP, dtype=torch.int32)
+        positions = positions.to(torch.int64).contiguous()
+        cos, sin = dr.rotary.tables(positions)
+        norms = self._ctx_k_gains
+        native.loaded().dspark_drafter_context(
+            features.data_ptr(), n, k_in, d, self.fc.packed.data_ptr(), dr.hidden_norm._cached_weight(None).data_ptr(),
+            dr.hidden_norm.eps, self.ctx_kv.packed.data_ptr(), layers, hkv, hd,
+            None if norms is None else norms.data_ptr(), 1e-6 if norms is None else self.ctx_k_norms[0].eps,
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), scratch.data_ptr(), xq.data_ptr(),
+            e.data_ptr(), sx.data_ptr(), torch.get_num_threads())
+        return out
 
     @torch.no_grad()
     def extend_many(self, caches: Sequence[DrafterCache], target_hidden: Sequence[torch.Tensor],
@@ -237,6 +275,8 @@ class DraftRunner:
         slots = (torch.arange(r).unsqueeze(1) * rows + length + torch.arange(g)).reshape(-1)  # block rows in the pool
         cos, sin = dr.rotary.tables(pos)
         xn = self.layers[0].input_norm(x)
+        if self._fused_layers:
+            return self._layers_fused(x, xn, ctx, mask, pos, cos, sin, slots, r)
         for i, layer in enumerate(self.layers):
             a = self._attention_on_kernels(layer, xn, ctx[i], mask, pos, cos, sin, slots, r)
             x, xn = layer.post_norm.add_forward(a, x)
@@ -247,6 +287,36 @@ class DraftRunner:
                 gate, up = gu.split(layer.intermediate, dim=-1)
                 m = layer.down(F.silu(gate) * up)
             x, xn = (self.layers[i + 1].input_norm if i + 1 < len(self.layers) else dr.norm).add_forward(m, x)
+        return xn
+
+    def _layers_fused(self, x: torch.Tensor, xn: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor,
+                      pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                      r: int) -> torch.Tensor:
+        """_backbone_on_kernels' layers, one kernel call each (csrc/layer.c, dspark_drafter_layer)."""
+        dr, lib = self.drafter, native.loaded()
+        h, hkv, hd, g = self.num_heads, self.kv_heads, self.head_dim, self.gamma
+        t, d, inter = x.shape[0], x.shape[1], self.layers[0].intermediate
+        scratch = x.new_empty(t * (3 * d + (2 * h + 2 * hkv) * hd + 3 * inter))
+        q_buf = torch.empty(t * h * hd, dtype=torch.float32)
+        widest = max(d, h * hd, inter)
+        xq = torch.empty(t * widest, dtype=torch.int8)
+        e = torch.empty(t * widest // Q8_GROUP, dtype=torch.float32)
+        sx = torch.empty(t * widest // Q8_GROUP, dtype=torch.int32)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else dr.norm
+            x_out, xn_out = torch.empty_like(x), torch.empty_like(x)
+            lib.dspark_drafter_layer(
+                x.data_ptr(), xn.data_ptr(), x_out.data_ptr(), xn_out.data_ptr(), r, g, d,
+                layer.post_norm._cached_weight(None).data_ptr(), nxt._cached_weight(None).data_ptr(),
+                layer.post_norm.eps, layer.qkv.packed.data_ptr(), layer.o.packed.data_ptr(),
+                layer.gate_up.packed.data_ptr(), layer.down.packed.data_ptr(),
+                None if layer.q_norm is None else layer.q_norm._cached_weight(None).data_ptr(),
+                None if layer.k_norm is None else layer.k_norm._cached_weight(None).data_ptr(),
+                1e-6 if layer.q_norm is None else layer.q_norm.eps, h, hkv, hd, inter, pos.data_ptr(),
+                cos.data_ptr(), sin.data_ptr(), hd ** -0.5, ctx[i].data_ptr(), ctx.shape[4], slots.data_ptr(),
+                mask.data_ptr(), scratch.data_ptr(), q_buf.data_ptr(), xq.data_ptr(), e.data_ptr(), sx.data_ptr(),
+                torch.get_num_threads())
+            x, xn = x_out, xn_out
         return xn
 
     def _attention_on_kernels(self, layer: _Layer, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor,

@@ -13,6 +13,7 @@
   call each instead of 3-7 PyTorch ops: at batch 1 a step's time went mostly to dispatching small ops.
 - `layer.c`: a whole decoder layer of one sequence as one call (the kernels above in the Python layer's
   order, so the same bits): at batch 1 the Python between ~10 kernel calls a layer cost as much as they did.
+  Likewise one call per layer of the drafter's block pass, and one for its context projection.
 - `markov.c`: greedy drafting through DSpark's vanilla Markov head, every position of a block in one
   call (in PyTorch, ~8 ops and a 16k-row product per position, sequential by construction).
 
@@ -54,6 +55,11 @@ SIGNATURES = {
     "dspark_rope_store": [_PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT],
     "dspark_layer": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
                      _PTR, _PTR, _F32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT],
+    "dspark_drafter_layer": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR,
+                             _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR,
+                             _PTR, _PTR, _PTR, _INT],
+    "dspark_drafter_context": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _I64, _I64, _I64, _PTR, _F32, _PTR,
+                               _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
     "dspark_markov_pack": [_PTR, _I64, _I64, _PTR],
     "dspark_markov_greedy": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
                              _PTR, _INT],
