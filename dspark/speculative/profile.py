@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from dspark.cache import blocks_for
 from dspark.models import native
+from dspark.models.attention import KV_ALIGN
 from dspark.models.decoder import Decoder
 from dspark.models.embedded import dspark_home
 from dspark.speculative.config import SpsProfile, choices
@@ -229,7 +230,9 @@ def profile_drafting(drafter, sizes: list[int], *, decoder: Decoder | None = Non
     caches = [drafter.new_cache(context + fed + 8) for _ in range(widest)]
     drafter.extend_many(caches, [hidden] * widest, [0] * widest)
     paired = decoder is not None and table is not None
-    target = decoder.new_cache(blocks_for(context + 1) + 1) if paired else None
+    # room for the key axis's padding too, so the step reads its keys as one view of consecutive rows
+    # (and runs fused at batch 1) as the engine's steps do, rather than through a gather
+    target = decoder.new_cache(blocks_for(context + 1 + KV_ALIGN) + 1) if paired else None
     steps: list[float] = []
     times: dict[int, list[float]] = {r: [] for r in sizes}
     start = context - fed
