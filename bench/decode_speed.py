@@ -2,7 +2,9 @@
 dspark's engine in fp32, in bf16 with packed weights, and in bf16 with the model's own 4-bit weights
 (the GGUF's Q4_1 groups through dspark's own kernels, and through PyTorch's alone: the first is what
 dtype/quantization "auto" picks on AVX-512-bf16 CPUs) vs transformers' generate() in fp32 (its fastest CPU
-setting), plus the memory roofline per format (weight bytes / measured read bandwidth).
+setting), plus the memory roofline per format (weight bytes / measured read bandwidth). Where `make
+llamacpp` has built llama.cpp, its `llama-bench` decodes the same GGUF on the same threads (tg: no prompt,
+--tokens new tokens) in the same interleaved rounds.
 
     .venv/bin/python bench/decode_speed.py [--tokens 128] [--repeats 3] [--json out.json]
 """
@@ -11,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import time
 
 import torch
@@ -20,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dspark import LLM, SamplingParams
 from dspark.bench.roofline import ceiling_tokens_per_s, read_bandwidth_gbs, weight_bytes
 from dspark.models import native
+from dspark.models.embedded import dspark_home, find_gguf
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -42,6 +47,13 @@ def time_transformers(model, prompt_ids: list[int], n: int) -> float:
     return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t)
 
 
+def time_llama_bench(binary, gguf, n: int) -> float:
+    """llama.cpp's own decode speed (tokens/s) for n tokens, one run."""
+    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(torch.get_num_threads()), "-p", "0", "-n", str(n),
+                          "-r", "1", "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return float(re.search(r'"avg_ts":\s*([0-9.eE+-]+)', out).group(1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=128)
@@ -61,10 +73,15 @@ def main() -> None:
     prompt_ids = tok.encode(engines["float32"].apply_chat_template([{"role": "user", "content": PROMPT}]))
     speeds: dict[str, list[float]] = {f"dspark_{k}": [] for k in engines}
     speeds["transformers_float32"] = []
+    llama_bench = dspark_home() / "llama.cpp" / "bin" / "llama-bench"
+    if llama_bench.exists():
+        speeds["llama_cpp_llama_bench"] = []
     for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every method
         for name, llm in engines.items():
             speeds[f"dspark_{name}"].append(time_dspark(llm, prompt_ids, args.tokens))
         speeds["transformers_float32"].append(time_transformers(hf, prompt_ids, args.tokens))
+        if llama_bench.exists():
+            speeds["llama_cpp_llama_bench"].append(time_llama_bench(llama_bench, find_gguf(), args.tokens))
     bw = read_bandwidth_gbs()
     ref = statistics.median(speeds["transformers_float32"])
     result = {"threads": torch.get_num_threads(), "tokens": args.tokens, "prompt_tokens": len(prompt_ids),
