@@ -56,6 +56,27 @@ def test_datagen_resumes_and_skips_finished_shards(tiny_setup):
         generate_shards(prompts[:16], data, model=str(model), shard_size=8, max_tokens=30, log=logs.append)
 
 
+@pytest.mark.parametrize("spec", ["none", "ngram"])
+def test_engine_generator_writes_the_served_greedy_answers(tiny_setup, tmp_path, spec):
+    """--generator engine: each answer is what the serving engine answers that prompt (speculation or
+    not), the stop token kept; --start-shard leaves the earlier shards alone."""
+    from dspark import LLM, SamplingParams
+
+    model, _, prompts, _ = tiny_setup
+    out = tmp_path / "engine"
+    man = generate_shards(prompts[:16], out, model=str(model), shard_size=8, max_tokens=16, max_num_seqs=8,
+                          kv_cache_mb=16, generator="engine", speculative_algorithm=spec, start_shard=1,
+                          log=lambda *_: None)
+    assert set(man["shards"]) == {"shard_00001.pt"} and man["recipe"]["generator"] == "engine"
+    shard = torch.load(out / "shard_00001.pt")
+    off, plens = shard["offsets"].tolist(), shard["prompt_lens"].tolist()
+    seqs = [shard["tokens"][a:b].tolist() for a, b in zip(off, off[1:])]
+    llm = LLM(str(model), max_num_seqs=8, kv_cache_mb=16)
+    served = llm.generate([s[:p] for s, p in zip(seqs, plens)], SamplingParams(max_tokens=16))
+    assert [s[p:] for s, p in zip(seqs, plens)] == [o.token_ids for o in served]
+    assert shard["finish"] == [o.finish_reason for o in served]
+
+
 def test_code_prompts_in_both_styles():
     """One prompt per stdlib function in each style: a description to implement, or the function's
     header and docstring in a code block (HumanEval's shape); the two cover the same functions."""

@@ -33,12 +33,20 @@ def register(sub: Any) -> None:
     d.add_argument("--top-k", type=int, default=-1)
     d.add_argument("--max-num-seqs", type=int, default=64)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--start-shard", type=int, default=0, metavar="I",
+                   help="answer only shards I and later of the seeded prompt list (new prompts for a recipe "
+                        "whose first shards were answered before)")
     d.add_argument("--time-limit", type=float, default=None, help="stop cleanly after this many seconds")
     d.add_argument("--rank", type=int, default=None,
                    help="answer only shards i with i %% WORLD_SIZE == RANK (default: $RANK from torchrun, else 0)")
     d.add_argument("--world-size", type=int, default=None,
                    help="number of datagen processes sharing --out (default: $WORLD_SIZE, else 1)")
     d.add_argument("--device", default="cpu", help="target device: cpu, cuda, cuda:N, or auto (cuda:$LOCAL_RANK)")
+    d.add_argument("--generator", default="dense", choices=("dense", "engine"),
+                   help="dense: the trainer's dense target pass (any device); engine: the serving engine "
+                        "(the served 4-bit target, paged cache; CPU only)")
+    d.add_argument("--speculative-algorithm", default="none", choices=("none", "ngram", "dflash", "dspark"),
+                   help="--generator engine: speculate while generating (greedy answers are the same tokens)")
     d.set_defaults(func=_train_data)
 
     t = sub.add_parser("train", help="train a DSpark / DFlash drafter on train-data shards")
@@ -102,7 +110,8 @@ def _train_data(args: argparse.Namespace) -> int:
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_tokens=args.max_tokens, seed=args.seed, time_limit=args.time_limit,
                           max_num_seqs=args.max_num_seqs, rank=rank, world_size=world, device=args.device,
-                          dtype=args.dtype)
+                          dtype=args.dtype, generator=_generator(args), speculative_algorithm=args.speculative_algorithm,
+                          start_shard=args.start_shard)
     done = sum(s["sequences"] for s in man["shards"].values())
     n_shards = (len(prompts) + args.shard_size - 1) // args.shard_size
     report = {"shards": len(man["shards"]), "of_shards": n_shards, "sequences": done, "of": len(prompts)}
@@ -111,6 +120,15 @@ def _train_data(args: argparse.Namespace) -> int:
         report.update(rank=rank, world_size=world, rank_shards=len(own & set(man["shards"])), rank_of=len(own))
     print(json.dumps(report))
     return 0
+
+
+def _generator(args: argparse.Namespace) -> str:
+    gen = args.generator
+    if gen == "engine" and args.device != "cpu":
+        raise ValueError(f"--generator engine runs on the CPU; use --generator dense with --device {args.device}")
+    if args.speculative_algorithm != "none" and gen == "dense":
+        raise ValueError("--speculative-algorithm needs --generator engine (on the CPU)")
+    return gen
 
 
 def _chat_text(args: argparse.Namespace) -> int:

@@ -195,7 +195,8 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
                     shard_size: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
                     max_tokens: int = 256, seed: int = 0, time_limit: float | None = None,
                     max_num_seqs: int = 64, kv_cache_mb: int = 1024, rank: int = 0, world_size: int = 1,
-                    device: str = "cpu", dtype: str = "auto", log=print) -> dict[str, Any]:
+                    device: str = "cpu", dtype: str = "auto", generator: str = "dense",
+                    speculative_algorithm: str = "none", start_shard: int = 0, log=print) -> dict[str, Any]:
     """Generate responses shard by shard into out_dir, skipping finished shards; returns the merged manifest.
 
     `prompts` is the full, identically ordered list on every rank; this call answers only the shards with
@@ -204,6 +205,9 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
     i alone, never on the world size, so any mix of world sizes and reruns yields the same data.
     Shard files are written atomically and are the source of truth; with world_size > 1 each rank keeps
     its own manifest.rank-R.json, merged by read_manifest (manifest.json is refreshed as a merged snapshot).
+    `start_shard` skips the shards before it (answered elsewhere, e.g. by an earlier run's directory).
+    `generator`: "dense" (the dense target pass of the trainer, any device) or "engine" (the serving
+    engine on the CPU, optionally with `speculative_algorithm`; greedy answers are the same tokens).
     """
     rank, world_size = shard_rank(rank, world_size)
     out = Path(out_dir)
@@ -212,14 +216,25 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
                     temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
     manifest = _load_manifest(out, recipe)
     n_shards = (len(prompts) + shard_size - 1) // shard_size
-    todo = [i for i in rank_shards(n_shards, rank, world_size) if not (out / SHARD.format(i)).exists()]
+    todo = [i for i in rank_shards(n_shards, rank, world_size)
+            if i >= start_shard and not (out / SHARD.format(i)).exists()]
     part = out / (MANIFEST if world_size == 1 else PART.format(rank))
     mine = json.loads(part.read_text()) if part.exists() else {**manifest, "shards": {}}
     if not part.exists():
         _write_json(part, mine)
     if not todo:  # nothing to do: do not even load the target
         return _refresh(out)
-    target, tokenizer, info = load_dense_target(model, device=device, dtype=dtype)
+    if generator == "engine":
+        from dspark.models.embedded import resolve_model_path
+        from dspark.train.engine_gen import EngineTarget
+
+        target = EngineTarget(model, max_num_seqs=max_num_seqs, kv_cache_mb=kv_cache_mb,
+                              speculative_algorithm=speculative_algorithm, dtype=dtype)
+        tokenizer, info = target.llm.tokenizer, {"model_path": str(resolve_model_path(model)), **target.info}
+    elif generator == "dense":
+        target, tokenizer, info = load_dense_target(model, device=device, dtype=dtype)
+    else:
+        raise ValueError(f"generator must be 'dense' or 'engine', got {generator!r}")
     mine["recipe"].update(info)
     start, done = time.perf_counter(), 0
     for i in todo:
