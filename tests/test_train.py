@@ -328,3 +328,19 @@ def test_calibrate_fits_sts_on_held_out_greedy_logs(tiny_setup, tmp_path):
     res = json.loads((out / "sts.json").read_text())
     assert len(res["temperatures"]) == 4 and len(res["ece_test_after"]) == 4 and sum(res["samples"]) > 0
     assert (out / "run_log.jsonl").exists()  # the run log travels with the export
+
+
+def test_per_set_curve_keeps_only_records_that_measured_the_set(tmp_path) -> None:
+    from dspark.train.curve import curve_points
+
+    def rec(tokens, tau, sets=None):
+        val = {"greedy_tau": tau, "greedy_match": [0.5], "greedy_accept": [0.5]}
+        if sets:
+            val["sets"] = {k: {"greedy_tau": v, "greedy_match": [0.4], "greedy_accept": [0.4]} for k, v in sets.items()}
+        return json.dumps({"tokens": tokens, "val": val})
+
+    log = tmp_path / "run_log.jsonl"
+    log.write_text("\n".join([rec(100, 1.7), rec(200, 1.8, {"a": 2.0}), rec(300, 1.9, {"a": 2.1, "b": 1.5})]))
+    assert [p["tokens"] for p in curve_points([log])] == [100, 200, 300]
+    assert [(p["tokens"], p["tau"]) for p in curve_points([log], "a")] == [(200, 2.0), (300, 2.1)]
+    assert [(p["tokens"], p["tau"]) for p in curve_points([log], "b")] == [(300, 1.5)]

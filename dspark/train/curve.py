@@ -11,7 +11,8 @@ LOG = "run_log.jsonl"  # the validation records of every run behind a checkpoint
 
 def curve_points(logs: list[str | Path], set_name: str | None = None) -> list[dict]:
     """Validation records {"tokens", "tau", "accept"} of run logs (metrics.jsonl / run_log.jsonl), ordered
-    by tokens; per data directory `set_name` when the records have per-set metrics, else all sets together."""
+    by tokens: all held-out sets together, or only the records that measured data directory `set_name` on
+    its own (a record of a run without that directory, or with one directory only, is left out)."""
     points: dict[int, dict] = {}
     for path in map(Path, logs):
         if not path.exists():
@@ -21,7 +22,10 @@ def curve_points(logs: list[str | Path], set_name: str | None = None) -> list[di
             val = rec.get("val")
             if not val or "tokens" not in rec:
                 continue
-            val = val.get("sets", {}).get(set_name, val) if set_name else val
+            if set_name:
+                val = val.get("sets", {}).get(set_name)
+                if val is None:
+                    continue
             points[int(rec["tokens"])] = {"tokens": int(rec["tokens"]), "tau": val["greedy_tau"],
                                           "accept": val.get("greedy_accept", val["greedy_match"]),
                                           "wall_s": rec.get("wall_s")}

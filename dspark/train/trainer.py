@@ -520,7 +520,9 @@ class Trainer:
             if len(points) > 1:
                 suffix = f"-{name}" if name else ""
                 curve_png(points, Path(directory) / f"learning_curve{suffix}.png", name or "all held-out sets")
-                lines += [f"### {name or 'all held-out sets'}", "", curve_table(points), ""]
+                note = [] if name else ["Each run's held-out sets together: a run with another mix of data "
+                                        "directories moves this figure by the mix alone.", ""]
+                lines += [f"### {name or 'all held-out sets'}", "", *note, curve_table(points), ""]
         if lines:
             (Path(directory) / "learning_curve.md").write_text("\n".join(lines))
 
