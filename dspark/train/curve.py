@@ -44,6 +44,22 @@ def write_run_log(directory: str | Path, run_metrics: str | Path, init_from: str
     return out
 
 
+def write_curves(directory: str | Path, log: str | Path, set_names: list[str]) -> None:
+    """DIR/learning_curve.png and learning_curve.md from a run log: all held-out sets together, then each
+    data directory in `set_names` on its own (learning_curve-NAME.png)."""
+    lines = []
+    for name in [None, *set_names]:
+        points = curve_points([log], name)
+        if len(points) > 1:
+            suffix = f"-{name}" if name else ""
+            curve_png(points, Path(directory) / f"learning_curve{suffix}.png", name or "all held-out sets")
+            note = [] if name else ["Each run's held-out sets together: a run with another mix of data "
+                                    "directories moves this figure by the mix alone.", ""]
+            lines += [f"### {name or 'all held-out sets'}", "", *note, curve_table(points), ""]
+    if lines:
+        (Path(directory) / "learning_curve.md").write_text("\n".join(lines))
+
+
 def curve_table(points: list[dict]) -> str:
     """Markdown: tokens, greedy tau, acceptance at positions 1..gamma."""
     if not points:

@@ -511,20 +511,10 @@ class Trainer:
 
     def _export_curve(self, directory: str) -> None:
         """The run log that travels with the checkpoint, and its learning curve (PNG + markdown table)."""
-        from dspark.train.curve import curve_png, curve_points, curve_table, write_run_log
+        from dspark.train.curve import write_curves, write_run_log
 
         log = write_run_log(directory, self.run_dir / "metrics.jsonl", self.cfg.init_from)
-        lines = []
-        for name in [None, *self.val_sets] if len(self.val_sets) > 1 else [None]:
-            points = curve_points([log], name)
-            if len(points) > 1:
-                suffix = f"-{name}" if name else ""
-                curve_png(points, Path(directory) / f"learning_curve{suffix}.png", name or "all held-out sets")
-                note = [] if name else ["Each run's held-out sets together: a run with another mix of data "
-                                        "directories moves this figure by the mix alone.", ""]
-                lines += [f"### {name or 'all held-out sets'}", "", *note, curve_table(points), ""]
-        if lines:
-            (Path(directory) / "learning_curve.md").write_text("\n".join(lines))
+        write_curves(directory, log, list(self.val_sets) if len(self.val_sets) > 1 else [])
 
 
 def _rounded(x: Any) -> Any:
