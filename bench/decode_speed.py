@@ -2,7 +2,8 @@
 dspark's engine in fp32, in bf16 with packed weights, and in bf16 with the model's own 4-bit weights
 (the GGUF's Q4_1 groups through dspark's own kernels, and through PyTorch's alone: the first is what
 dtype/quantization "auto" picks on AVX-512-bf16 CPUs) vs transformers' generate() in fp32 (its fastest CPU
-setting), plus the memory roofline per format (weight bytes / measured read bandwidth). Where `make
+setting), the default engine's matmuls on AMX tiles too where the CPU has them (DSPARK_AMX=1), plus the
+memory roofline per format (weight bytes / measured read bandwidth). Where `make
 llamacpp` has built llama.cpp, its `llama-bench` decodes the same GGUF on the same threads (tg: no prompt,
 --tokens new tokens) in the same interleaved rounds.
 
@@ -76,9 +77,19 @@ def main() -> None:
     llama_bench = dspark_home() / "llama.cpp" / "bin" / "llama-bench"
     if llama_bench.exists():
         speeds["llama_cpp_llama_bench"] = []
+    lib = native.loaded()
+    amx = lib is not None and lib.dspark_amx_init(1) == 1  # the AMX route, timed beside in this process
+    if lib is not None:
+        lib.dspark_amx_init(int(native.amx()))
+    if amx:
+        speeds["dspark_bfloat16_int4_amx"] = []
     for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every method
         for name, llm in engines.items():
             speeds[f"dspark_{name}"].append(time_dspark(llm, prompt_ids, args.tokens))
+        if amx:  # DSPARK_AMX=1's matmuls on the default engine (switched for this run only)
+            lib.dspark_amx_init(1)
+            speeds["dspark_bfloat16_int4_amx"].append(time_dspark(engines["bfloat16_int4"], prompt_ids, args.tokens))
+            lib.dspark_amx_init(int(native.amx()))
         speeds["transformers_float32"].append(time_transformers(hf, prompt_ids, args.tokens))
         if llama_bench.exists():
             speeds["llama_cpp_llama_bench"].append(time_llama_bench(llama_bench, find_gguf(), args.tokens))

@@ -17,6 +17,17 @@ lib = native.library()
 pytestmark = pytest.mark.skipif(lib is None, reason=f"dspark's kernels do not run here: {native.why()}")
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def matmul_path(request):
+    """The 4-bit and 8-bit matmuls on AVX-512 and, where the CPU has it, on AMX tiles (DSPARK_AMX=1); the
+    process's own path afterwards."""
+    if lib.dspark_amx_init(int(request.param == "amx")) != (request.param == "amx"):
+        lib.dspark_amx_init(int(native.amx()))
+        pytest.skip("no AMX here")
+    yield request.param
+    lib.dspark_amx_init(int(native.amx()))
+
+
 def _rows(n: int, d: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(n, d, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
 
@@ -28,7 +39,7 @@ def _each_row_alone_is_the_same(fn, x: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("shape", [(64, 96), (960, 576), (576, 1536)])
-def test_int4_kernel_matches_the_dequantized_weight(shape):
+def test_int4_kernel_matches_the_dequantized_weight(shape, matmul_path):
     n, k = shape
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen) * 0.02
@@ -42,7 +53,7 @@ def test_int4_kernel_matches_the_dequantized_weight(shape):
     y = native.int4_mm(lib, x, packed, n)
     ref = x.float() @ wq.t()
     torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
-    _each_row_alone_is_the_same(lambda rows: native.int4_mm(lib, rows.contiguous(), packed, n), x[:9])
+    _each_row_alone_is_the_same(lambda rows: native.int4_mm(lib, rows.contiguous(), packed, n), x)  # 37: padded tiles
     assert native.int4_mm(lib, x[:0], packed, n).shape == (0, n)
 
 
@@ -93,7 +104,7 @@ def test_rope_store_matches_apply_rotary_and_the_cache_write():
     assert pool[:, [1, 3]].abs().sum() == 0  # no other row written
 
 
-def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedded_dir, monkeypatch):
+def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedded_dir, monkeypatch, matmul_path):
     """The embedded model (int4 weights, fp32 cache) on dspark's kernels against the same model on PyTorch
     ops alone: the same logits up to bf16 rounding, and on the kernels a position's logits do not depend
     on the window it was verified in."""
@@ -121,7 +132,14 @@ def test_switched_off_by_environment(monkeypatch):
     assert native.library() is lib
 
 
-def test_q8_head_matches_its_weight_and_rows_do_not_matter():
+def test_amx_setting_is_checked(monkeypatch):
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv(native.AMX_ENV, "yes")
+    with pytest.raises(ValueError, match="DSPARK_AMX must be 0 or 1"):
+        native.library()
+
+
+def test_q8_head_matches_its_weight_and_rows_do_not_matter(matmul_path):
     from dspark.models.q8 import Q8Linear, fit_q8, native_q8
 
     gen = torch.Generator().manual_seed(8)
@@ -132,7 +150,7 @@ def test_q8_head_matches_its_weight_and_rows_do_not_matter():
     assert native_q8(w) and not native_q8(w + 1e-4 * torch.randn(160, 128, generator=gen))
     assert torch.equal(fit_q8(w)[0].float().view(160, 4, 32), q)
     head = Q8Linear(w)
-    x = _rows(11, 128, seed=9)
+    x = _rows(37, 128, seed=9)  # 37: tiles of 16 rows and a padded one
     y = head(x)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, x.float() @ w.t(), rtol=1e-5, atol=1e-5)  # exact products, fp32 sums

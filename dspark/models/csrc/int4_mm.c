@@ -17,6 +17,10 @@
  * call, so a window of 8 rows costs little more than one row. Each row's arithmetic is the same
  * sequence of operations whatever the number of rows or threads (rows only interleave, columns are
  * split between threads whole), so a row's output is bit-identical in any batch.
+ *
+ * With AMX on (DSPARK_AMX=1, dspark_amx_init), the group sums come from tile multiplies instead
+ * (block_rows_amx, amx_block in simd.h): the same scaling after them, other bits than VDPBF16PS's, and
+ * still the same for a row whatever the other rows.
  */
 #include <stdlib.h>
 
@@ -50,7 +54,25 @@ struct mm_args {
     const uint8_t *packed;
     const float *xsum;
     uint16_t *y;
+    int64_t rows;             /* the call's rows (x may hold more: padding for the tiles) */
+    const float *xsum_chunk;  /* xsum from the rows of the chunk at hand (AMX path) */
 };
+
+/* bf16 of 0..15 (and zeros above), the lookup that turns a code into its exact bf16 value */
+#define CODE_TABLE                                                                                 \
+    _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140, \
+                     0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,  \
+                     0x3F80, 0x0000)
+
+/* The record's codes as 16 k-pair vectors of exact bf16 integers (see the layout above). */
+static inline void decode_codes(const uint8_t *rec, __m512bh w[16]) {
+    const __m512i table = CODE_TABLE, low = _mm512_set1_epi16(0x0F);
+    for (int c = 0; c < 8; c++) {
+        __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 32 * c)));
+        w[2 * c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, low), table);
+        w[2 * c + 1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+    }
+}
 
 /* Block b of 16 output columns for rows r0 .. r0 + rows - 1 (see run_blocks in simd.h). */
 static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf) {
@@ -59,21 +81,12 @@ static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, fl
     const uint16_t *x = a->x + r0 * k;
     const float *xsum = a->xsum + r0 * groups;
     const uint8_t *rec0 = a->packed + b * groups * RECORD;
-    /* bf16 of 0..15 (and zeros above), the lookup that turns a code into its exact bf16 value */
-    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                           0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-                                           0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-    const __m512i low = _mm512_set1_epi16(0x0F);
     for (int64_t r = 0; r < rows; r++)
         _mm512_storeu_ps(ybuf + r * 16, _mm512_setzero_ps());
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *rec = rec0 + g * RECORD;
         __m512bh w[16];
-        for (int c = 0; c < 8; c++) {
-            __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 32 * c)));
-            w[2 * c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, low), table);
-            w[2 * c + 1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
-        }
+        decode_codes(rec, w);
         const __m512 d = bf16_load((const uint16_t *)(rec + 256));
         const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), d, bf16_load((const uint16_t *)(rec + 288)));
         int64_t r = 0;
@@ -93,13 +106,50 @@ static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, fl
     store_block(ybuf, rows, a->y, 1, a->n, r0, b * 16);
 }
 
+#ifdef DSPARK_AMX
+/* The same on AMX (amx_block in simd.h): a group's sums from one tile multiply for up to 16 rows, then
+ * each row scaled as above, group after group in the same order. */
+static inline void scale_group(const void *args, const uint8_t *rec, int64_t g, int64_t r, const float *c, float *ybuf) {
+    const struct mm_args *a = args;
+    const __m512 d = bf16_load((const uint16_t *)(rec + 256));
+    const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), d, bf16_load((const uint16_t *)(rec + 288)));
+    __m512 y = _mm512_loadu_ps(ybuf + r * 16);
+    y = _mm512_fmadd_ps(_mm512_load_ps(c), d, y);
+    y = _mm512_fmadd_ps(_mm512_set1_ps(a->xsum_chunk[r * (a->k / GROUP) + g]), m, y);
+    _mm512_storeu_ps(ybuf + r * 16, y);
+}
+
+static void block_rows_amx(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf) {
+    const struct mm_args *a = args;
+    const int64_t groups = a->k / GROUP;
+    struct mm_args chunk = *a;
+    chunk.xsum_chunk = a->xsum + r0 * groups;
+    amx_block(a->x + r0 * a->k, a->k, rows, a->packed + b * groups * RECORD, RECORD, decode_codes, scale_group,
+              &chunk, ybuf);
+    store_block(ybuf, a->rows - r0 < rows ? a->rows - r0 : rows, a->y, 1, a->n, r0, b * 16);
+}
+#endif
+
 /* x [rows, k] bf16, packed as above for n outputs, y [rows, n] bf16. threads: OpenMP threads to use. */
 void dspark_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, uint16_t *y,
                     int threads) {
     const int64_t groups = k / GROUP;
+#ifdef DSPARK_AMX
+    if (dspark_amx_on) {
+        uint16_t *xp = pad_rows(x, rows, k);
+        const int64_t padded = xp ? (rows + 15) / 16 * 16 : rows;
+        float *xsum = (float *)calloc((size_t)(padded * groups > 0 ? padded * groups : 1), sizeof(float));
+        group_sums(x, rows, k, xsum);
+        const struct mm_args args = {xp ? xp : x, k, n, packed, xsum, y, rows, NULL};
+        run_blocks_tiled(padded, n / 16, threads, block_rows_amx, &args, amx_configure_bf16);
+        free(xsum);
+        free(xp);
+        return;
+    }
+#endif
     float *xsum = (float *)malloc(sizeof(float) * (size_t)(rows * groups > 0 ? rows * groups : 1));
     group_sums(x, rows, k, xsum);
-    const struct mm_args args = {x, k, n, packed, xsum, y};
+    const struct mm_args args = {x, k, n, packed, xsum, y, rows, NULL};
     run_blocks(rows, n / 16, threads, block_rows, &args);
     free(xsum);
 }

@@ -2,7 +2,10 @@
  * (on AVX-512 CPUs). Each row is computed on its own in a fixed order, so a row's result never depends
  * on how many rows share the call.
  */
+#include <cpuid.h>
 #include <math.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "simd.h"
 
@@ -11,6 +14,23 @@ int dspark_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+}
+
+int dspark_amx_on = 0;
+
+/* Turn the AMX path of the 4-bit and 8-bit matmuls on (want = 1) where the CPU has AMX-BF16 and the OS
+ * lets this process use tile data, or off; returns whether it is on. Call before any kernel runs. */
+int dspark_amx_init(int want) {
+    dspark_amx_on = 0;
+#ifdef DSPARK_AMX
+    unsigned a, b, c, d;
+    if (want && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1) &&
+        syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0)
+        dspark_amx_on = 1;
+#else
+    (void)want;
+#endif
+    return dspark_amx_on;
 }
 
 #define PARALLEL_ELEMENTS 65536 /* below this many elements a call runs on one thread */

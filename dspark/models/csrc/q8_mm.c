@@ -40,6 +40,7 @@ struct mm_args {
     const uint8_t *packed;
     void *y;
     int out_bf16;
+    int64_t rows;  /* the call's rows (x may hold more: padding for the tiles) */
 };
 
 /* Block b of 16 output columns for rows r0 .. r0 + rows - 1 (see run_blocks in simd.h). */
@@ -73,10 +74,42 @@ static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, fl
     store_block(ybuf, rows, a->y, a->out_bf16, a->n, r0, b * 16);
 }
 
+#ifdef DSPARK_AMX
+/* The same on AMX (amx_block in simd.h, as in int4_mm.c). */
+static inline void decode_codes(const uint8_t *rec, __m512bh w[16]) {
+    for (int p = 0; p < 16; p++)
+        w[p] = codes_to_bf16((const int8_t *)rec + 32 * p);
+}
+
+static inline void scale_group(const void *args, const uint8_t *rec, int64_t g, int64_t r, const float *c, float *ybuf) {
+    (void)args, (void)g;
+    _mm512_storeu_ps(ybuf + r * 16, _mm512_fmadd_ps(_mm512_load_ps(c), _mm512_loadu_ps((const float *)(rec + 512)),
+                                                    _mm512_loadu_ps(ybuf + r * 16)));
+}
+
+static void block_rows_amx(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf) {
+    const struct mm_args *a = args;
+    const int64_t groups = a->k / GROUP;
+    amx_block(a->x + r0 * a->k, a->k, rows, a->packed + b * groups * RECORD, RECORD, decode_codes, scale_group,
+              NULL, ybuf);
+    store_block(ybuf, a->rows - r0 < rows ? a->rows - r0 : rows, a->y, a->out_bf16, a->n, r0, b * 16);
+}
+#endif
+
 /* x [rows, k] bf16, packed as above for n outputs, y [rows, n] fp32 (bf16 with out_bf16). threads: OpenMP
  * threads to use. */
 void dspark_q8_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, void *y,
                   int out_bf16, int threads) {
-    const struct mm_args args = {x, k, n, packed, y, out_bf16};
+#ifdef DSPARK_AMX
+    if (dspark_amx_on) {
+        uint16_t *xp = pad_rows(x, rows, k);
+        const struct mm_args args = {xp ? xp : x, k, n, packed, y, out_bf16, rows};
+        run_blocks_tiled(xp ? (rows + 15) / 16 * 16 : rows, n / 16, threads, block_rows_amx, &args,
+                         amx_configure_bf16);
+        free(xp);
+        return;
+    }
+#endif
+    const struct mm_args args = {x, k, n, packed, y, out_bf16, rows};
     run_blocks(rows, n / 16, threads, block_rows, &args);
 }

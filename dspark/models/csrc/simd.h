@@ -3,6 +3,8 @@
 #define DSPARK_SIMD_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* 16 bf16 values -> fp32 (exact) */
 static inline __m512 bf16_load(const uint16_t *p) {
@@ -67,17 +69,124 @@ static inline void store_block(const float *ybuf, int64_t rows, void *y, int out
     }
 }
 
-static inline void run_blocks(int64_t rows, int64_t blocks, int threads, block_fn block, const void *args) {
+/* AMX (Sapphire Rapids and later): where dspark_amx_init() turned it on, the 4-bit and 8-bit matmuls
+ * take a group's sums from one tile multiply, TDPBF16PS, for up to 16 rows at once, in place of 16
+ * VDPBF16PS per row. A row's sums are still computed on their own (C row m reads A row m only), in the
+ * same order whatever the other rows of the tile, so a row's result stays the same in any window; they
+ * are not the bits of the VDPBF16PS path, so a process uses one path for all calls (the SPS tables and
+ * the kernels' build key name it). */
+extern int dspark_amx_on;
+
+/* rows a call's tiles hold: the call's rows up to 16; calls of more rows are padded to a multiple of 16
+ * (pad_rows) so every tile of them is full */
+static inline int64_t amx_tile_rows(int64_t rows) { return rows < 16 ? rows : 16; }
+
+/* x [rows, k] bf16 copied into a zeroed buffer of rows rounded up to 16 (NULL where rows needs none:
+ * at most 16 rows, or a multiple of 16); free() it after the call. */
+static inline uint16_t *pad_rows(const uint16_t *x, int64_t rows, int64_t k) {
+    if (rows <= 16 || rows % 16 == 0)
+        return NULL;
+    const int64_t padded = (rows + 15) / 16 * 16;
+    uint16_t *p = (uint16_t *)calloc((size_t)(padded * k), sizeof(uint16_t));
+    memcpy(p, x, sizeof(uint16_t) * (size_t)(rows * k));
+    return p;
+}
+
+#ifdef DSPARK_AMX
+#define AMX_RING 8 /* ring buffers of amx_block's pipeline (at least 5 in use) */
+/* Two sets of tiles, so that two groups' multiplies are in flight at once: 0 / 3 = A, rows x 32 bf16 (a
+ * group of each row's inputs); 1 / 4 = B, the group's 16 k-pairs x 16 columns (the decoded codes, laid
+ * out as VDPBF16PS reads them); 2 / 5 = C, rows x 16 fp32 sums. */
+static inline void amx_configure_bf16(int rows) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed, aligned(64))) cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t % 3 == 1 ? 16 : (uint8_t)rows;
+    }
+    __asm__ volatile("" : : "r"(&cfg) : "memory"); /* the intrinsic tells the compiler it reads 8 bytes only */
+    _tile_loadconfig(&cfg);
+}
+
+/* cbuf [tile rows, 16] fp32 = the sums of a group for the tile's rows of x (rows ldx bytes apart, x at
+ * the group's first input), the group's 16 k-pair vectors at wbuf (1 KB, 64-byte aligned); tile set
+ * 0 or 1 (TSET of AMX_GROUP_DOT_SET), so that consecutive groups' multiplies need not wait for each
+ * other. The tile numbers must be literals (the intrinsics paste them into the instruction). */
+#define AMX_GROUP_DOT(A, B, C, x, ldx, wbuf, cbuf)                                                        \
+    do {                                                                                               \
+        _tile_zero(C);                                                                                 \
+        _tile_loadd(A, x, ldx);                                                                        \
+        _tile_loadd(B, wbuf, 64);                                                                      \
+        _tile_dpbf16ps(C, A, B);                                                                       \
+        _tile_stored(C, cbuf, 64);                                                                     \
+    } while (0)
+#define AMX_GROUP_DOT_SET(TSET, x, ldx, wbuf, cbuf)                                                       \
+    do {                                                                                               \
+        if (TSET)                                                                                      \
+            AMX_GROUP_DOT(3, 4, 5, x, ldx, wbuf, cbuf);                                                \
+        else                                                                                           \
+            AMX_GROUP_DOT(0, 1, 2, x, ldx, wbuf, cbuf);                                                \
+    } while (0)
+
+/* A block of 16 output columns on AMX for rows (a multiple of the configured tile rows tr): the
+ * grouped-weight matmuls' shared loop. decode(rec, w) turns a group's record (record bytes each, from
+ * rec0) into its 16 k-pair vectors; scale(args, rec, g, r, c, ybuf) adds the sums c [16] fp32 of group g
+ * of row r into ybuf + 16 r. A software pipeline, so that what a step writes has left the store buffer
+ * before the next reads it (tile loads do not take forwarded stores): decode group g, multiply group
+ * g - 2 (both tile sets in turn), scale group g - 4, each row's groups in order. */
+typedef void (*decode_fn)(const uint8_t *rec, __m512bh w[16]);
+typedef void (*scale_fn)(const void *args, const uint8_t *rec, int64_t g, int64_t r, const float *c, float *ybuf);
+
+static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, int64_t k, int64_t rows,
+                                                            const uint8_t *rec0, int64_t record, decode_fn decode,
+                                                            scale_fn scale, const void *args, float *ybuf) {
+    static __thread __m512bh w_tls[AMX_RING][16] __attribute__((aligned(64)));
+    static __thread float c_tls[AMX_RING][ROW_CHUNK * 16] __attribute__((aligned(64)));
+    __m512bh(*w)[16] = w_tls;  /* thread-local buffers (too large for a stack), looked up once */
+    float(*cbuf)[ROW_CHUNK * 16] = c_tls;
+    const int64_t groups = k / 32, tr = amx_tile_rows(rows);
+    for (int64_t r = 0; r < rows; r++)
+        _mm512_storeu_ps(ybuf + r * 16, _mm512_setzero_ps());
+    for (int64_t g = 0; g < groups + 4; g++) {
+        if (g < groups)
+            decode(rec0 + g * record, w[g % AMX_RING]);
+        const int64_t gm = g - 2, gs = g - 4;
+        if (gm >= 0 && gm < groups)
+            for (int64_t t0 = 0; t0 < rows; t0 += tr)
+                AMX_GROUP_DOT_SET(gm & 1, x + t0 * k + gm * 32, 2 * k, w[gm % AMX_RING], cbuf[gm % AMX_RING] + t0 * 16);
+        if (gs >= 0)
+            for (int64_t r = 0; r < rows; r++)
+                scale(args, rec0 + gs * record, gs, r, cbuf[gs % AMX_RING] + r * 16, ybuf);
+    }
+}
+#endif
+
+typedef void (*configure_fn)(int rows);
+
+/* run_blocks with, where configure is not NULL, each thread's tiles configured for the chunk's rows first
+ * (a tile configuration belongs to the thread) */
+static inline void run_blocks_tiled(int64_t rows, int64_t blocks, int threads, block_fn block, const void *args,
+                                    configure_fn configure) {
     for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
         const int64_t nr = rows - r0 < ROW_CHUNK ? rows - r0 : ROW_CHUNK;
 #pragma omp parallel num_threads(threads)
         {
             float ybuf[ROW_CHUNK * 16] __attribute__((aligned(64)));
+            if (configure)
+                configure((int)amx_tile_rows(nr));
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++)
                 block(args, b, r0, nr, ybuf);
         }
     }
+}
+
+static inline void run_blocks(int64_t rows, int64_t blocks, int threads, block_fn block, const void *args) {
+    run_blocks_tiled(rows, blocks, threads, block, args, NULL);
 }
 
 #endif
