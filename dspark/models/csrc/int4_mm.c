@@ -54,8 +54,7 @@ struct mm_args {
     const uint8_t *packed;
     const float *xsum;
     uint16_t *y;
-    int64_t rows;             /* the call's rows (x may hold more: padding for the tiles) */
-    const float *xsum_chunk;  /* xsum from the rows of the chunk at hand (AMX path) */
+    int64_t rows;  /* the call's rows (x and xsum may hold more: padding for the tiles) */
 };
 
 /* bf16 of 0..15 (and zeros above), the lookup that turns a code into its exact bf16 value */
@@ -109,23 +108,21 @@ static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, fl
 #ifdef DSPARK_AMX
 /* The same on AMX (amx_block in simd.h): a group's sums from one tile multiply for up to 16 rows, then
  * each row scaled as above, group after group in the same order. */
-static inline void scale_group(const void *args, const uint8_t *rec, int64_t g, int64_t r, const float *c, float *ybuf) {
+static inline void scale_group(const void *args, const uint8_t *rec, int64_t g, int64_t row, const float *c, float *yr) {
     const struct mm_args *a = args;
     const __m512 d = bf16_load((const uint16_t *)(rec + 256));
     const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), d, bf16_load((const uint16_t *)(rec + 288)));
-    __m512 y = _mm512_loadu_ps(ybuf + r * 16);
+    __m512 y = _mm512_loadu_ps(yr);
     y = _mm512_fmadd_ps(_mm512_load_ps(c), d, y);
-    y = _mm512_fmadd_ps(_mm512_set1_ps(a->xsum_chunk[r * (a->k / GROUP) + g]), m, y);
-    _mm512_storeu_ps(ybuf + r * 16, y);
+    y = _mm512_fmadd_ps(_mm512_set1_ps(a->xsum[row * (a->k / GROUP) + g]), m, y);
+    _mm512_storeu_ps(yr, y);
 }
 
 static void block_rows_amx(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf) {
     const struct mm_args *a = args;
     const int64_t groups = a->k / GROUP;
-    struct mm_args chunk = *a;
-    chunk.xsum_chunk = a->xsum + r0 * groups;
-    amx_block(a->x + r0 * a->k, a->k, rows, a->packed + b * groups * RECORD, RECORD, decode_codes, scale_group,
-              &chunk, ybuf);
+    amx_block(a->x + r0 * a->k, a->k, r0, rows, a->packed + b * groups * RECORD, RECORD, decode_codes, scale_group,
+              a, ybuf);
     store_block(ybuf, a->rows - r0 < rows ? a->rows - r0 : rows, a->y, 1, a->n, r0, b * 16);
 }
 #endif
@@ -140,7 +137,7 @@ void dspark_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *p
         const int64_t padded = xp ? (rows + 15) / 16 * 16 : rows;
         float *xsum = (float *)calloc((size_t)(padded * groups > 0 ? padded * groups : 1), sizeof(float));
         group_sums(x, rows, k, xsum);
-        const struct mm_args args = {xp ? xp : x, k, n, packed, xsum, y, rows, NULL};
+        const struct mm_args args = {xp ? xp : x, k, n, packed, xsum, y, rows};
         run_blocks_tiled(padded, n / 16, threads, block_rows_amx, &args, amx_configure_bf16);
         free(xsum);
         free(xp);
@@ -149,7 +146,7 @@ void dspark_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *p
 #endif
     float *xsum = (float *)malloc(sizeof(float) * (size_t)(rows * groups > 0 ? rows * groups : 1));
     group_sums(x, rows, k, xsum);
-    const struct mm_args args = {x, k, n, packed, xsum, y, rows, NULL};
+    const struct mm_args args = {x, k, n, packed, xsum, y, rows};
     run_blocks(rows, n / 16, threads, block_rows, &args);
     free(xsum);
 }

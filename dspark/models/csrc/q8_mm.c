@@ -81,16 +81,16 @@ static inline void decode_codes(const uint8_t *rec, __m512bh w[16]) {
         w[p] = codes_to_bf16((const int8_t *)rec + 32 * p);
 }
 
-static inline void scale_group(const void *args, const uint8_t *rec, int64_t g, int64_t r, const float *c, float *ybuf) {
-    (void)args, (void)g;
-    _mm512_storeu_ps(ybuf + r * 16, _mm512_fmadd_ps(_mm512_load_ps(c), _mm512_loadu_ps((const float *)(rec + 512)),
-                                                    _mm512_loadu_ps(ybuf + r * 16)));
+static inline void scale_group(const void *args, const uint8_t *rec, int64_t g, int64_t row, const float *c, float *yr) {
+    (void)args, (void)g, (void)row;
+    _mm512_storeu_ps(yr, _mm512_fmadd_ps(_mm512_load_ps(c), _mm512_loadu_ps((const float *)(rec + 512)),
+                                         _mm512_loadu_ps(yr)));
 }
 
 static void block_rows_amx(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf) {
     const struct mm_args *a = args;
     const int64_t groups = a->k / GROUP;
-    amx_block(a->x + r0 * a->k, a->k, rows, a->packed + b * groups * RECORD, RECORD, decode_codes, scale_group,
+    amx_block(a->x + r0 * a->k, a->k, r0, rows, a->packed + b * groups * RECORD, RECORD, decode_codes, scale_group,
               NULL, ybuf);
     store_block(ybuf, a->rows - r0 < rows ? a->rows - r0 : rows, a->y, a->out_bf16, a->n, r0, b * 16);
 }

@@ -132,16 +132,16 @@ static inline void amx_configure_bf16(int rows) {
             AMX_GROUP_DOT(0, 1, 2, x, ldx, wbuf, cbuf);                                                \
     } while (0)
 
-/* A block of 16 output columns on AMX for rows (a multiple of the configured tile rows tr): the
- * grouped-weight matmuls' shared loop. decode(rec, w) turns a group's record (record bytes each, from
- * rec0) into its 16 k-pair vectors; scale(args, rec, g, r, c, ybuf) adds the sums c [16] fp32 of group g
- * of row r into ybuf + 16 r. A software pipeline, so that what a step writes has left the store buffer
+/* A block of 16 output columns on AMX for the chunk of rows from r0 (x: its first row; rows: a multiple of
+ * the configured tile rows tr): the grouped-weight matmuls' shared loop. decode(rec, w) turns a group's
+ * record (record bytes each, from rec0) into its 16 k-pair vectors; scale(args, rec, g, row, c, y) adds
+ * the sums c [16] fp32 of group g of the call's row `row` into y [16]. A software pipeline, so that what a step writes has left the store buffer
  * before the next reads it (tile loads do not take forwarded stores): decode group g, multiply group
  * g - 2 (both tile sets in turn), scale group g - 4, each row's groups in order. */
 typedef void (*decode_fn)(const uint8_t *rec, __m512bh w[16]);
-typedef void (*scale_fn)(const void *args, const uint8_t *rec, int64_t g, int64_t r, const float *c, float *ybuf);
+typedef void (*scale_fn)(const void *args, const uint8_t *rec, int64_t g, int64_t row, const float *c, float *y);
 
-static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, int64_t k, int64_t rows,
+static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, int64_t k, int64_t r0, int64_t rows,
                                                             const uint8_t *rec0, int64_t record, decode_fn decode,
                                                             scale_fn scale, const void *args, float *ybuf) {
     static __thread __m512bh w_tls[AMX_RING][16] __attribute__((aligned(64)));
@@ -160,7 +160,7 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, i
                 AMX_GROUP_DOT_SET(gm & 1, x + t0 * k + gm * 32, 2 * k, w[gm % AMX_RING], cbuf[gm % AMX_RING] + t0 * 16);
         if (gs >= 0)
             for (int64_t r = 0; r < rows; r++)
-                scale(args, rec0 + gs * record, gs, r, cbuf[gs % AMX_RING] + r * 16, ybuf);
+                scale(args, rec0 + gs * record, gs, r0 + r, cbuf[gs % AMX_RING] + r * 16, ybuf + r * 16);
     }
 }
 #endif
