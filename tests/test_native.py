@@ -17,15 +17,18 @@ lib = native.library()
 pytestmark = pytest.mark.skipif(lib is None, reason=f"dspark's kernels do not run here: {native.why()}")
 
 
-@pytest.fixture(params=["avx512", "amx"])
+@pytest.fixture(params=["avx512", "amx", "act8"])
 def matmul_path(request):
-    """The 4-bit and 8-bit matmuls on AVX-512 and, where the CPU has it, on AMX tiles (DSPARK_AMX=1); the
-    process's own path afterwards."""
-    if lib.dspark_amx_init(int(request.param == "amx")) != (request.param == "amx"):
+    """The 4-bit and 8-bit matmuls on AVX-512, where the CPU has it on AMX tiles (DSPARK_AMX=1), and the
+    4-bit ones on 8-bit activations (DSPARK_INT8_ACTIVATIONS=1); the process's own paths afterwards."""
+    amx, act8 = request.param == "amx", request.param == "act8"
+    lib.dspark_act8_init(int(act8))
+    if lib.dspark_amx_init(int(amx)) != amx:
         lib.dspark_amx_init(int(native.amx()))
         pytest.skip("no AMX here")
     yield request.param
     lib.dspark_amx_init(int(native.amx()))
+    lib.dspark_act8_init(int("-act8" in native.build_key()))
 
 
 def _rows(n: int, d: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
@@ -53,6 +56,13 @@ def test_int4_kernel_matches_the_dequantized_weight(shape, matmul_path):
     y = native.int4_mm(lib, x, packed, n)
     ref = x.float() @ wq.t()
     torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    if matmul_path == "act8":  # exactly the rows rounded to 8-bit groups, up to fp32 scaling and the bf16 output
+        g = x.float().view(37, -1, GROUP)
+        mx = g.abs().amax(-1, keepdim=True)
+        u = torch.round(g * torch.where(mx > 0, 127 / mx, 0))
+        ref8 = (u * (mx / 127)).view(37, k) @ wq.t()
+        torch.testing.assert_close(y.float(), ref8, rtol=1e-2, atol=1e-3 * ref8.abs().max().item())
+        assert (y.float() - ref8).abs().max() < (y.float() - ref).abs().max()
     _each_row_alone_is_the_same(lambda rows: native.int4_mm(lib, rows.contiguous(), packed, n), x)  # 37: padded tiles
     assert native.int4_mm(lib, x[:0], packed, n).shape == (0, n)
 
@@ -132,10 +142,11 @@ def test_switched_off_by_environment(monkeypatch):
     assert native.library() is lib
 
 
-def test_amx_setting_is_checked(monkeypatch):
+@pytest.mark.parametrize("env", [native.AMX_ENV, native.ACT8_ENV])
+def test_matmul_settings_are_checked(monkeypatch, env):
     monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setenv(native.AMX_ENV, "yes")
-    with pytest.raises(ValueError, match="DSPARK_AMX must be 0 or 1"):
+    monkeypatch.setenv(env, "yes")
+    with pytest.raises(ValueError, match=f"{env} must be 0 or 1"):
         native.library()
 
 

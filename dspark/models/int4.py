@@ -66,11 +66,15 @@ def _bf16_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def pack_for_kernel(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """dspark's kernel layout (csrc/int4_mm.c) of codes [N, K] (0..15), step and minimum [N, K / 32]: per
-    16 output columns and group, 256 bytes of codes, then 16 bf16 steps and 16 bf16 centres lo + 8 step."""
+    16 output columns and group, 256 bytes of codes, then 16 bf16 steps and 16 bf16 centres lo + 8 step.
+    The codes are interleaved by k-pairs for bf16 activations, by k-quads for 8-bit ones (native.act8())."""
     n, k = codes.shape
     nb, g = n // 16, k // GROUP
-    q = codes.to(torch.uint8).view(nb, 16, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 8, 2, 32)
-    packed_codes = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [nb, g, 8, 32]
+    if native.act8():  # chunk c: q[col, 8c + i] low nibble, q[col, 8c + 4 + i] high, byte 4 col + i
+        q = codes.to(torch.uint8).view(nb, 16, g, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(nb, g, 4, 2, 64)
+    else:  # chunk c: pair-vectors 2c (low nibbles) and 2c + 1 (high), element j = q[j / 2, 2p + j % 2]
+        q = codes.to(torch.uint8).view(nb, 16, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 8, 2, 32)
+    packed_codes = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
     d = _bf16_bytes(step.view(nb, 16, g).permute(0, 2, 1))  # [nb, g, 32 bytes]
     z = _bf16_bytes((lo + 8 * step).view(nb, 16, g).permute(0, 2, 1))
     return torch.cat([packed_codes.reshape(nb, g, 256), d, z], dim=-1).contiguous().view(-1)

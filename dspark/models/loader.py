@@ -77,9 +77,10 @@ def _apply_quantization(quantization: str, model: Decoder, dtype: torch.dtype, d
     elif not (usable and quantize_linears_int4(model.layers, native_only=True)):
         return "none"
     # an LM head that already is 8-bit groups (a GGUF's Q8_0 head) runs in that form too, where dspark's
-    # kernels run; the bf16 head stays for the drafter, which reads its rows (tied: the embeddings)
+    # kernels run (on 8-bit rows too where the 4-bit matmuls take them, native.act8()); the bf16 head stays
+    # for the drafter, which reads its rows (tied: the embeddings)
     if native.library() is not None and native_q8(model.lm_head.weight):
-        model.lm_head_q8 = Q8Linear(model.lm_head.weight)
+        model.lm_head_q8 = Q8Linear(model.lm_head.weight, vnni=native.act8())
     return "int4"
 
 

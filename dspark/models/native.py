@@ -6,6 +6,9 @@
   With DSPARK_AMX=1 on CPUs with AMX (Sapphire Rapids and later), a group's sums come from one tile
   multiply for up to 16 rows: a verify window of 8 rows, a step of many sequences and prefill get 2-3x
   cheaper, one row ~10-20% dearer (the decoded tile goes through memory), hence not the default.
+  With DSPARK_INT8_ACTIVATIONS=1, each row's groups of 32 inputs are rounded to 8 bits first (as llama.cpp
+  does) and a group's dot product is an exact integer from VNNI: an 8-row window ~1.6x one row instead of
+  ~3-4x, one row a little cheaper too, at the cost of rounding the activations; opt-in while measured.
 - `q8_mm.c`: the same for 8-bit groups (GGUF Q8_0), fp32 out: the embedded model's LM head in its own
   8-bit form, half the bytes of bf16.
 - `q8_vnni_mm.c`: 8-bit weights times rows rounded to 8-bit groups too, on VNNI (twice the multiply-adds
@@ -48,6 +51,7 @@ FLAGS = ["-O3", "-std=gnu11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512
 AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-DDSPARK_AMX"]  # left out where the compiler does not know them
 ENV = "DSPARK_KERNELS"  # "auto" (default) or "torch": read at each library() call
 AMX_ENV = "DSPARK_AMX"  # "1": the 4-bit and 8-bit matmuls on AMX tiles where the CPU has them; "0" (default)
+ACT8_ENV = "DSPARK_INT8_ACTIVATIONS"  # "1": the 4-bit matmuls on activations rounded to 8 bits; "0" (default)
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "dspark_int4_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT],
@@ -114,9 +118,10 @@ def library() -> ctypes.CDLL | None:
         return None
     if _tried:
         return _lib
-    choice = os.environ.get(AMX_ENV, "0")
-    if choice not in ("0", "1"):
-        raise ValueError(f"{AMX_ENV} must be 0 or 1, not {choice!r}")
+    choice, choice8 = os.environ.get(AMX_ENV, "0"), os.environ.get(ACT8_ENV, "0")
+    for env, value in ((AMX_ENV, choice), (ACT8_ENV, choice8)):
+        if value not in ("0", "1"):
+            raise ValueError(f"{env} must be 0 or 1, not {value!r}")
     _tried = True
     files = SOURCES + sorted(CSRC.glob("*.h"))
     key = hashlib.sha256(b"".join(p.read_bytes() for p in files)
@@ -134,10 +139,12 @@ def library() -> ctypes.CDLL | None:
             getattr(lib, name).restype = None
         lib.dspark_amx_init.argtypes = [_INT]
         amx = lib.dspark_amx_init(int(choice))
+        lib.dspark_act8_init.argtypes = [_INT]
+        act8 = lib.dspark_act8_init(int(choice8))
     except (OSError, RuntimeError) as e:
         _why = str(e)
         return None
-    _lib, _key = lib, key + ("-amx" if amx else "")
+    _lib, _key = lib, key + ("-amx" if amx else "") + ("-act8" if act8 else "")
     return _lib
 
 
@@ -148,8 +155,9 @@ def loaded() -> ctypes.CDLL | None:
 
 
 def build_key() -> str:
-    """The loaded kernels' hash of sources and flags, with "-amx" where their matmuls run on AMX tiles
-    ("" when none are loaded): what a cached timing of them (an SPS table) is valid for."""
+    """The loaded kernels' hash of sources and flags, with "-amx" where their matmuls run on AMX tiles and
+    "-act8" where the 4-bit ones round their activations to 8 bits ("" when none are loaded): what a cached
+    timing of them (an SPS table) is valid for."""
     return _key if _lib is not None else ""
 
 
@@ -157,7 +165,13 @@ def amx() -> bool:
     """Whether the loaded kernels run the 4-bit and 8-bit matmuls on AMX tiles (DSPARK_AMX=1 where the CPU
     has them): a row's bits then differ from the AVX-512 path's (though not with the window), so a process
     keeps one path for all its calls."""
-    return _lib is not None and _key.endswith("-amx")
+    return _lib is not None and "-amx" in _key
+
+
+def act8() -> bool:
+    """Whether the loaded kernels' 4-bit matmuls round their activations to 8 bits now (DSPARK_INT8_ACTIVATIONS=1;
+    read from the library, so a test that switches it packs weights for what it switched to)."""
+    return _lib is not None and ctypes.c_int.in_dll(_lib, "dspark_act8_on").value == 1
 
 
 def why() -> str:

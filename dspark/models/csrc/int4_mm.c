@@ -18,6 +18,13 @@
  * sequence of operations whatever the number of rows or threads (rows only interleave, columns are
  * split between threads whole), so a row's output is bit-identical in any batch.
  *
+ * With 8-bit activations on (DSPARK_INT8_ACTIVATIONS=1, dspark_act8_init; block_rows_act8 below), each row's
+ * group of 32 inputs is rounded to e * u (e = max|x| / 127, u in -127..127, as llama.cpp's Q8_1) and the
+ * group's dot with the codes is an exact integer from VPDPBUSD (4 products a lane against VDPBF16PS's 2, the
+ * codes used as stored bytes): y[r, n] += d e isum + m e sum(u). The codes are then laid out by k-quads
+ * (pack_for_kernel's act8 layout): chunk c (64 bytes) byte 4 j + i holds in its low nibble
+ * q[16 * block + j, 32 * g + 8 c + i] and in its high nibble q[.., 32 * g + 8 c + 4 + i]; d and z as above.
+ *
  * With AMX on (DSPARK_AMX=1, dspark_amx_init), the group sums come from tile multiplies instead
  * (block_rows_amx, amx_block in simd.h): the same scaling after them, other bits than VDPBF16PS's, and
  * still the same for a row whatever the other rows.
@@ -105,6 +112,67 @@ static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, fl
     store_block(ybuf, rows, a->y, 1, a->n, r0, b * 16);
 }
 
+
+/* 8-bit activations (see the top): the row's rounded groups, their scales e and e * sum(u) */
+struct act8_args {
+    const int8_t *xq;
+    const float *e, *xs;
+    int64_t k, n;
+    const uint8_t *packed;
+    uint16_t *y;
+};
+
+static void block_rows_act8(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf) {
+    const struct act8_args *a = args;
+    const int64_t k = a->k, groups = k / GROUP;
+    const uint8_t *rec0 = a->packed + b * groups * RECORD;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t r = 0; r < rows; r++)
+        _mm512_storeu_ps(ybuf + r * 16, _mm512_setzero_ps());
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *rec = rec0 + g * RECORD;
+        __m512i w[8];
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(rec + 64 * c);
+            w[2 * c] = _mm512_and_si512(v, low);
+            w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        const __m512 d = bf16_load((const uint16_t *)(rec + 256));
+        const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), d, bf16_load((const uint16_t *)(rec + 288)));
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t i = (r0 + r) * groups + g;
+            const int32_t *xr = (const int32_t *)(a->xq + (r0 + r) * k + g * GROUP);
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int t = 0; t < 8; t += 2) {
+                DPBUSD_BCAST(s0, w[t], xr[t]);
+                DPBUSD_BCAST(s1, w[t + 1], xr[t + 1]);
+            }
+            __m512 y = _mm512_loadu_ps(ybuf + r * 16);
+            y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, _mm512_set1_ps(a->e[i])), y);
+            y = _mm512_fmadd_ps(m, _mm512_set1_ps(a->xs[i]), y);
+            _mm512_storeu_ps(ybuf + r * 16, y);
+        }
+    }
+    store_block(ybuf, rows, a->y, 1, a->n, r0, b * 16);
+}
+
+static void int4_mm_act8(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, uint16_t *y,
+                         int threads) {
+    const int64_t groups = k / GROUP, cells = rows * groups > 0 ? rows * groups : 1;
+    int8_t *xq = (int8_t *)malloc((size_t)(rows * k > 0 ? rows * k : 1));
+    float *e = (float *)malloc(sizeof(float) * (size_t)cells), *xs = (float *)malloc(sizeof(float) * (size_t)cells);
+    int32_t *sx = (int32_t *)malloc(sizeof(int32_t) * (size_t)cells);
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 64)
+    for (int64_t r = 0; r < rows; r++) {
+        quantize_row_q8(x + r * k, k, xq + r * k, e + r * groups, sx + r * groups);
+        for (int64_t g = 0; g < groups; g++)
+            xs[r * groups + g] = e[r * groups + g] * (float)sx[r * groups + g];
+    }
+    const struct act8_args args = {xq, e, xs, k, n, packed, y};
+    run_blocks(rows, n / 16, threads, block_rows_act8, &args);
+    free(xq), free(e), free(xs), free(sx);
+}
+
 #ifdef DSPARK_AMX
 /* The same on AMX (amx_block in simd.h): a group's sums from one tile multiply for up to 16 rows, then
  * each row scaled as above, group after group in the same order. */
@@ -131,6 +199,10 @@ static void block_rows_amx(const void *args, int64_t b, int64_t r0, int64_t rows
 void dspark_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, uint16_t *y,
                     int threads) {
     const int64_t groups = k / GROUP;
+    if (dspark_act8_on) {
+        int4_mm_act8(x, rows, k, packed, n, y, threads);
+        return;
+    }
 #ifdef DSPARK_AMX
     if (dspark_amx_on) {
         uint16_t *xp = pad_rows(x, rows, k);

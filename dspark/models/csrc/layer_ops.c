@@ -33,6 +33,15 @@ int dspark_amx_init(int want) {
     return dspark_amx_on;
 }
 
+int dspark_act8_on = 0;
+
+/* Turn the 8-bit activations of the 4-bit matmuls on (want = 1) or off; returns whether they are on. Call
+ * before any weights are packed (int4.pack_for_kernel lays them out for the choice). */
+int dspark_act8_init(int want) {
+    dspark_act8_on = want ? 1 : 0;
+    return dspark_act8_on;
+}
+
 #define PARALLEL_ELEMENTS 65536 /* below this many elements a call runs on one thread */
 
 /* out = x / sqrt(mean(x^2) + eps) * w per row of d (a multiple of 16), in fp32, rounded once to bf16.

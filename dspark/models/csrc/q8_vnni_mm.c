@@ -5,9 +5,9 @@
  * Each row's group of 32 is rounded to x = e * u with e = max|x| / 127 and u in -127..127. VPDPBUSD multiplies
  * unsigned by signed bytes, so the codes are stored as q + 128 and y[r, n] += d[n, g] * e[r, g] *
  * (sum_k (q + 128) u - 128 sum_k u): integer sums are exact, and the row's sum of u per group is kept
- * beside its scale. Used for the
- * drafter's projections, whose drafts need not be exact (verification keeps the output lossless), never
- * for the target. A row's result depends on that row alone.
+ * beside its scale. Used for the drafter's projections, whose drafts need not be exact (verification keeps
+ * the output lossless), and for the target's LM head where its 4-bit matmuls round their rows too
+ * (DSPARK_INT8_ACTIVATIONS=1). A row's result depends on that row alone.
  *
  * Layout (q8.pack_for_vnni): for each block of 16 output columns, for each group, a 576-byte record: 512
  * bytes of codes plus 128 (8 vectors; byte 4 c + i of vector p is q[16 * block + c, 32 * g + 4 p + i] + 128),
@@ -18,9 +18,6 @@
 #define GROUP 32
 #define RECORD 576
 
-/* acc += the unsigned bytes of w . the signed bytes at x (4, broadcast), lane by lane */
-#define DPBUSD_BCAST(acc, w, x) __asm__("vpdpbusd %[xv]%{1to16%}, %[wv], %[av]" : [av] "+v"(acc) : [wv] "v"(w), [xv] "m"(x))
-
 struct vnni_args {
     const int8_t *xq;   /* [rows, k] u */
     const float *e;     /* [rows, k / GROUP] */
@@ -30,22 +27,6 @@ struct vnni_args {
     void *y;
     int out_bf16;
 };
-
-/* Row r's groups of 32 -> bytes u, scales e and sums of u (a group of zeros gets e = 0, u = 0). */
-static void quantize_row(const uint16_t *x, int64_t k, int8_t *xq, float *e, int32_t *sx) {
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        const __m512 a = bf16_load(x + g * GROUP), b = bf16_load(x + g * GROUP + 16);
-        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
-        e[g] = mx / 127.0f;
-        const __m512 s = _mm512_set1_ps(inv);
-        const __m512i ua = _mm512_cvtps_epi32(_mm512_mul_ps(a, s));  /* rounded to nearest */
-        const __m512i ub = _mm512_cvtps_epi32(_mm512_mul_ps(b, s));
-        sx[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(ua, ub));
-        _mm_storeu_si128((__m128i *)(xq + g * GROUP), _mm512_cvtepi32_epi8(ua));
-        _mm_storeu_si128((__m128i *)(xq + g * GROUP + 16), _mm512_cvtepi32_epi8(ub));
-    }
-}
 
 static inline __m512 row_group(const int8_t *xg, const __m512i *w, int32_t sum) {
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
@@ -85,7 +66,7 @@ void dspark_q8_vnni_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t
     const int64_t groups = k / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 64)
     for (int64_t r = 0; r < rows; r++)
-        quantize_row(x + r * k, k, xq + r * k, e + r * groups, sx + r * groups);
+        quantize_row_q8(x + r * k, k, xq + r * k, e + r * groups, sx + r * groups);
     const struct vnni_args args = {xq, e, sx, k, n, packed, y, out_bf16};
     run_blocks(rows, n / 16, threads, block_rows, &args);
 }

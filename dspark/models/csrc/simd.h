@@ -1,4 +1,5 @@
-/* AVX-512 helpers shared by dspark's kernels: bf16 <-> fp32 and a fixed-form exponential. */
+/* AVX-512 helpers shared by dspark's kernels: bf16 <-> fp32, a fixed-form exponential, the bf16 and 8-bit group dot
+ * products, rows rounded to 8-bit groups, the blocked matmul driver and its AMX path. */
 #ifndef DSPARK_SIMD_H
 #define DSPARK_SIMD_H
 #include <immintrin.h>
@@ -53,6 +54,25 @@ static inline __m512 exp_clamped(__m512 x) {
         s = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));                           \
     } while (0)
 
+/* acc += the unsigned bytes of w . the signed bytes at x (4, broadcast), lane by lane */
+#define DPBUSD_BCAST(acc, w, x) __asm__("vpdpbusd %[xv]%{1to16%}, %[wv], %[av]" : [av] "+v"(acc) : [wv] "v"(w), [xv] "m"(x))
+
+/* Row r's groups of 32 -> bytes u, scales e and sums of u (a group of zeros gets e = 0, u = 0). */
+static inline void quantize_row_q8(const uint16_t *x, int64_t k, int8_t *xq, float *e, int32_t *sx) {
+    for (int64_t g = 0; g < k / 32; g++) {
+        const __m512 a = bf16_load(x + g * 32), b = bf16_load(x + g * 32 + 16);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+        e[g] = mx / 127.0f;
+        const __m512 s = _mm512_set1_ps(inv);
+        const __m512i ua = _mm512_cvtps_epi32(_mm512_mul_ps(a, s));  /* rounded to nearest */
+        const __m512i ub = _mm512_cvtps_epi32(_mm512_mul_ps(b, s));
+        sx[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(ua, ub));
+        _mm_storeu_si128((__m128i *)(xq + g * 32), _mm512_cvtepi32_epi8(ua));
+        _mm_storeu_si128((__m128i *)(xq + g * 32 + 16), _mm512_cvtepi32_epi8(ub));
+    }
+}
+
 /* The driver of the grouped-weight matmuls (int4_mm.c, q8_mm.c): rows in chunks of ROW_CHUNK, each chunk's
  * blocks of 16 output columns split between threads whole. block(args, b, r0, rows, ybuf) leaves the
  * chunk's outputs of block b in ybuf [rows, 16] fp32; store_block() writes them out. */
@@ -76,6 +96,10 @@ static inline void store_block(const float *ybuf, int64_t rows, void *y, int out
  * are not the bits of the VDPBF16PS path, so a process uses one path for all calls (the SPS tables and
  * the kernels' build key name it). */
 extern int dspark_amx_on;
+
+/* Where dspark_act8_init() turned it on, the 4-bit matmuls round their activations to 8 bits and take exact
+ * integer group sums from VPDPBUSD (int4_mm.c); the weights are then packed for it (a process-wide choice). */
+extern int dspark_act8_on;
 
 /* rows a call's tiles hold: the call's rows up to 16; calls of more rows are padded to a multiple of 16
  * (pad_rows) so every tile of them is full */
