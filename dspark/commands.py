@@ -50,7 +50,8 @@ def prepare(args) -> int:
 
     print(ensure_embedded_model())
     # build dspark's CPU kernels now, so that a first start does not
-    print("dspark kernels:", ("built" + (", matmuls on AMX tiles" if native.amx() else ""))
+    print("dspark kernels:", ("built" + (", matmuls on AMX tiles" if native.amx() else "")
+                              + (", 4-bit matmuls on 8-bit activations" if native.act8() else ""))
           if native.library() is not None else f"not used ({native.why()})")
     return 0
 
