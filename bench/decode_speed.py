@@ -79,8 +79,7 @@ def main() -> None:
         speeds["llama_cpp_llama_bench"] = []
     lib = native.loaded()
     amx = lib is not None and lib.dspark_amx_init(1) == 1  # the AMX route, timed beside in this process
-    if lib is not None:
-        lib.dspark_amx_init(int(native.amx()))
+    native.use_configured_routes()
     if amx:
         speeds["dspark_bfloat16_int4_amx"] = []
     for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every method
@@ -89,7 +88,7 @@ def main() -> None:
         if amx:  # DSPARK_AMX=1's matmuls on the default engine (switched for this run only)
             lib.dspark_amx_init(1)
             speeds["dspark_bfloat16_int4_amx"].append(time_dspark(engines["bfloat16_int4"], prompt_ids, args.tokens))
-            lib.dspark_amx_init(int(native.amx()))
+            native.use_configured_routes()
         speeds["transformers_float32"].append(time_transformers(hf, prompt_ids, args.tokens))
         if llama_bench.exists():
             speeds["llama_cpp_llama_bench"].append(time_llama_bench(llama_bench, find_gguf(), args.tokens))

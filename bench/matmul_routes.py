@@ -61,8 +61,7 @@ def main() -> None:
                 totals[route] += median_ms(lambda: native.int4_mm(lib, xs[k], packed[route][name], n), args.repeats)
         one = one or totals
         print(f"{rows:>4} " + " ".join(f"{totals[r]:>10.3f} ({totals[r] / one[r]:.2f}x)" for r in routes))
-    lib.dspark_amx_init(int(native.amx()))
-    lib.dspark_act8_init(int("-act8" in native.build_key()))
+    native.use_configured_routes()
 
 
 if __name__ == "__main__":

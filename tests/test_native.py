@@ -24,11 +24,10 @@ def matmul_path(request):
     amx, act8 = request.param == "amx", request.param == "act8"
     lib.dspark_act8_init(int(act8))
     if lib.dspark_amx_init(int(amx)) != amx:
-        lib.dspark_amx_init(int(native.amx()))
+        native.use_configured_routes()
         pytest.skip("no AMX here")
     yield request.param
-    lib.dspark_amx_init(int(native.amx()))
-    lib.dspark_act8_init(int("-act8" in native.build_key()))
+    native.use_configured_routes()
 
 
 def _rows(n: int, d: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:

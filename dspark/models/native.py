@@ -174,6 +174,14 @@ def act8() -> bool:
     return _lib is not None and ctypes.c_int.in_dll(_lib, "dspark_act8_on").value == 1
 
 
+def use_configured_routes() -> None:
+    """Put the loaded kernels' matmul routes back to the ones this process started with (DSPARK_AMX,
+    DSPARK_INT8_ACTIVATIONS), after a benchmark or a test switched them for a while."""
+    if _lib is not None:
+        _lib.dspark_amx_init(int(amx()))
+        _lib.dspark_act8_init(int("-act8" in _key))
+
+
 def why() -> str:
     """Why library() is None ("" when it is not, or not yet asked)."""
     if os.environ.get(ENV, "auto") == "torch":
