@@ -1,9 +1,9 @@
 """Decode speed on the embedded model, batch 1, greedy, one prompt, one thread count, side by side:
 dspark's engine in fp32, in bf16 with packed weights, and in bf16 with the model's own 4-bit weights
-(the GGUF's Q4_1 groups through dspark's own kernels, and through PyTorch's alone: the first is what
-dtype/quantization "auto" picks on AVX-512-bf16 CPUs) vs transformers' generate() in fp32 (its fastest CPU
-setting), the default engine's matmuls on AMX tiles too where the CPU has them (DSPARK_AMX=1), plus the
-memory roofline per format (weight bytes / measured read bandwidth). Where `make
+(the GGUF's Q4_1 groups through dspark's own kernels on 8-bit activations, which is what dtype/quantization
+"auto" picks on AVX-512-bf16 + VNNI CPUs, on bf16 activations (DSPARK_INT8_ACTIVATIONS=0), on AMX tiles
+where the CPU has them (DSPARK_AMX=1), and through PyTorch's kernels alone) vs transformers' generate() in
+fp32 (its fastest CPU setting), plus the memory roofline per format (weight bytes / measured read bandwidth). Where `make
 llamacpp` has built llama.cpp, its `llama-bench` decodes the same GGUF on the same threads (tg: no prompt,
 --tokens new tokens) in the same interleaved rounds.
 
@@ -64,7 +64,13 @@ def main() -> None:
     engines = {"float32": LLM(dtype="float32", quantization="none"),
                "bfloat16": LLM(dtype="bfloat16", quantization="none"),
                "bfloat16_int4": LLM(dtype="bfloat16", quantization="int4")}
-    if native.library() is not None:  # the same weights on PyTorch's kernels alone, for comparison
+    routes = {}  # engine -> the kernels' matmul routes it was loaded for (switched to while it runs)
+    if native.library() is not None:  # the same 4-bit weights on the other routes, and on PyTorch's kernels
+        for name, amx, act8 in (("bf16_activations", False, False), ("amx", True, False)):
+            if native.switch_routes(amx=amx, act8=act8):
+                routes[f"bfloat16_int4_{name}"] = (amx, act8)
+                engines[f"bfloat16_int4_{name}"] = LLM(dtype="bfloat16", quantization="int4")
+        native.use_configured_routes()
         os.environ[native.ENV] = "torch"
         engines["bfloat16_int4_torch_kernels"] = LLM(dtype="bfloat16", quantization="int4")
         del os.environ[native.ENV]
@@ -77,17 +83,11 @@ def main() -> None:
     llama_bench = dspark_home() / "llama.cpp" / "bin" / "llama-bench"
     if llama_bench.exists():
         speeds["llama_cpp_llama_bench"] = []
-    lib = native.loaded()
-    amx = lib is not None and lib.dspark_amx_init(1) == 1  # the AMX route, timed beside in this process
-    native.use_configured_routes()
-    if amx:
-        speeds["dspark_bfloat16_int4_amx"] = []
     for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every method
         for name, llm in engines.items():
+            if name in routes:
+                native.switch_routes(amx=routes[name][0], act8=routes[name][1])
             speeds[f"dspark_{name}"].append(time_dspark(llm, prompt_ids, args.tokens))
-        if amx:  # DSPARK_AMX=1's matmuls on the default engine (switched for this run only)
-            lib.dspark_amx_init(1)
-            speeds["dspark_bfloat16_int4_amx"].append(time_dspark(engines["bfloat16_int4"], prompt_ids, args.tokens))
             native.use_configured_routes()
         speeds["transformers_float32"].append(time_transformers(hf, prompt_ids, args.tokens))
         if llama_bench.exists():

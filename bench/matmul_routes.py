@@ -1,7 +1,7 @@
 """The target's 4-bit matmul routes side by side on the four matmuls of one layer of the embedded target
 (shapes only: random weights), 1-16 rows, interleaved in one process, all threads: bf16 activations on
-VDPBF16PS (the default), AMX tiles where the CPU has them (DSPARK_AMX=1), and activations rounded to 8 bits
-on VPDPBUSD (DSPARK_INT8_ACTIVATIONS=1). What a verify window of n rows costs against one row is the
+VDPBF16PS (DSPARK_INT8_ACTIVATIONS=0), AMX tiles where the CPU has them (DSPARK_AMX=1), and activations
+rounded to 8 bits on VPDPBUSD (the default). What a verify window of n rows costs against one row is the
 question: speculation pays only if it is close to one.
 
     .venv/bin/python bench/matmul_routes.py [--repeats 200] [--rows 1,2,4,8,16]
@@ -29,11 +29,6 @@ def median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(ts)
 
 
-def set_route(lib, route: str) -> None:
-    lib.dspark_amx_init(int(route == "amx"))
-    lib.dspark_act8_init(int(route == "int8-activations"))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=200)
@@ -42,10 +37,10 @@ def main() -> None:
     lib = native.library()
     if lib is None:
         raise SystemExit(f"dspark's kernels do not run here: {native.why()}")
-    routes = ["bf16"] + (["amx"] if lib.dspark_amx_init(1) == 1 else []) + ["int8-activations"]
+    routes = ["bf16"] + (["amx"] if native.switch_routes(amx=True, act8=False) else []) + ["int8-activations"]
     packed = {}  # route -> layer matmul -> weights in that route's layout
     for route in routes:
-        set_route(lib, route)
+        native.switch_routes(amx=route == "amx", act8=route == "int8-activations")
         gen = torch.Generator().manual_seed(0)
         packed[route] = {name: pack_for_kernel(*fit_int4(torch.randn(n, k, generator=gen) * 0.02)[:3])
                          for name, (n, k) in LAYER.items()}
@@ -57,7 +52,7 @@ def main() -> None:
         totals = dict.fromkeys(routes, 0.0)
         for name, (n, k) in LAYER.items():
             for route in routes:
-                set_route(lib, route)
+                native.switch_routes(amx=route == "amx", act8=route == "int8-activations")
                 totals[route] += median_ms(lambda: native.int4_mm(lib, xs[k], packed[route][name], n), args.repeats)
         one = one or totals
         print(f"{rows:>4} " + " ".join(f"{totals[r]:>10.3f} ({totals[r] / one[r]:.2f}x)" for r in routes))

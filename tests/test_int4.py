@@ -11,7 +11,9 @@ from torch import nn
 from dspark import LLM, SamplingParams
 from dspark.models.int4 import GROUP, Int4Linear, fit_int4, int4_supported, native_int4, quantize_linears_int4
 from dspark.models.loader import load_decoder
+from dspark.models import native
 from invariance import assert_embedded_rows_invariant, batched_logits, logits_by_chunks
+from rounding import rows_rounded_to_8bit
 
 needs_int4 = pytest.mark.skipif(not int4_supported("cpu"), reason="this PyTorch has no CPU int4 kernel")
 
@@ -43,8 +45,9 @@ def test_int4_linear_matches_dequantized_weight_and_is_row_invariant(shape):
     lin = Int4Linear(w, bias)
     x = torch.randn(70, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
     full = lin(x)
-    ref = F.linear(x.float(), w, bias)
-    torch.testing.assert_close(full.float(), ref, rtol=2e-2, atol=2e-2)  # bf16 activations
+    rows = rows_rounded_to_8bit(x) if native.act8() else x.float()  # the activations the kernel multiplies
+    ref = F.linear(rows, w, bias)
+    torch.testing.assert_close(full.float(), ref, rtol=2e-2, atol=2e-2)
     for rows in (1, 2, 3, 7, 8, 9, 15, 33, 64):
         assert torch.equal(lin(x[:rows]), full[:rows]), rows
     assert torch.equal(torch.cat([lin(x[i:i + 5]) for i in range(0, 70, 5)]), full)
@@ -109,9 +112,13 @@ def test_embedded_model_runs_its_4bit_weights_and_rows_do_not_depend_on_window_o
             "sea, and none of them knew his name, but all of them trusted his light. One winter night, a storm")
     ids = torch.tensor(AutoTokenizer.from_pretrained(str(embedded_dir)).encode(text))
     plan = [{0: 10}, {0: len(ids) - 10}]
-    ref = batched_logits(load_decoder(embedded_dir, dtype=torch.float32), [ids], plan)[0]
-    agree = (batched_logits(dec, [ids], plan)[0].argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert agree >= 0.95, agree  # bf16 activations: close to the fp32 model, not equal (54 of 55 here)
+    ref = batched_logits(load_decoder(embedded_dir, dtype=torch.float32), [ids], plan)[0].float()
+    ours = batched_logits(dec, [ids], plan)[0].argmax(-1)
+    # close to the fp32 model, not equal: 54 of 55 picks the same on bf16 activations, 50 on 8-bit ones (the
+    # default where dspark's kernels run), and a pick that differs is a near tie for the fp32 model (<= 0.53 here)
+    assert (ours == ref.argmax(-1)).float().mean().item() >= 0.85
+    gap = ref.max(-1).values - ref.gather(1, ours[:, None])[:, 0]
+    assert gap.max().item() < 1.0, gap.max()
 
 
 @needs_int4

@@ -12,6 +12,7 @@ from dspark.models.int4 import GROUP, Int4Linear, fit_int4, pack_for_kernel
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
 from dspark.models.loader import load_decoder
 from invariance import logits_by_chunks
+from rounding import rows_rounded_to_8bit
 
 lib = native.library()
 pytestmark = pytest.mark.skipif(lib is None, reason=f"dspark's kernels do not run here: {native.why()}")
@@ -19,11 +20,9 @@ pytestmark = pytest.mark.skipif(lib is None, reason=f"dspark's kernels do not ru
 
 @pytest.fixture(params=["avx512", "amx", "act8"])
 def matmul_path(request):
-    """The 4-bit and 8-bit matmuls on AVX-512, where the CPU has it on AMX tiles (DSPARK_AMX=1), and the
-    4-bit ones on 8-bit activations (DSPARK_INT8_ACTIVATIONS=1); the process's own paths afterwards."""
-    amx, act8 = request.param == "amx", request.param == "act8"
-    lib.dspark_act8_init(int(act8))
-    if lib.dspark_amx_init(int(amx)) != amx:
+    """The 4-bit and 8-bit matmuls on AVX-512 with bf16 activations, where the CPU has it on AMX tiles
+    (DSPARK_AMX=1), and the 4-bit ones on 8-bit activations (the default); the process's own paths afterwards."""
+    if not native.switch_routes(amx=request.param == "amx", act8=request.param == "act8"):
         native.use_configured_routes()
         pytest.skip("no AMX here")
     yield request.param
@@ -56,10 +55,7 @@ def test_int4_kernel_matches_the_dequantized_weight(shape, matmul_path):
     ref = x.float() @ wq.t()
     torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
     if matmul_path == "act8":  # exactly the rows rounded to 8-bit groups, up to fp32 scaling and the bf16 output
-        g = x.float().view(37, -1, GROUP)
-        mx = g.abs().amax(-1, keepdim=True)
-        u = torch.round(g * torch.where(mx > 0, 127 / mx, 0))
-        ref8 = (u * (mx / 127)).view(37, k) @ wq.t()
+        ref8 = rows_rounded_to_8bit(x) @ wq.t()
         torch.testing.assert_close(y.float(), ref8, rtol=1e-2, atol=1e-3 * ref8.abs().max().item())
         assert (y.float() - ref8).abs().max() < (y.float() - ref).abs().max()
     _each_row_alone_is_the_same(lambda rows: native.int4_mm(lib, rows.contiguous(), packed, n), x)  # 37: padded tiles

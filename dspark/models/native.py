@@ -6,9 +6,10 @@
   With DSPARK_AMX=1 on CPUs with AMX (Sapphire Rapids and later), a group's sums come from one tile
   multiply for up to 16 rows: a verify window of 8 rows, a step of many sequences and prefill get 2-3x
   cheaper, one row ~10-20% dearer (the decoded tile goes through memory), hence not the default.
-  With DSPARK_INT8_ACTIVATIONS=1, each row's groups of 32 inputs are rounded to 8 bits first (as llama.cpp
-  does) and a group's dot product is an exact integer from VNNI: an 8-row window ~1.6x one row instead of
-  ~3-4x, one row a little cheaper too, at the cost of rounding the activations; opt-in while measured.
+  By default each row's groups of 32 inputs are rounded to 8 bits first (as llama.cpp does) and a group's
+  dot product is an exact integer from VNNI: an 8-row window ~1.6x one row instead of ~3-4x, one row
+  cheaper too, the target's acceptance of the drafts about the same; DSPARK_INT8_ACTIVATIONS=0 (or
+  DSPARK_AMX=1) keeps the rows in bf16.
 - `q8_mm.c`: the same for 8-bit groups (GGUF Q8_0), fp32 out: the embedded model's LM head in its own
   8-bit form, half the bytes of bf16.
 - `q8_vnni_mm.c`: 8-bit weights times rows rounded to 8-bit groups too, on VNNI (twice the multiply-adds
@@ -51,7 +52,8 @@ FLAGS = ["-O3", "-std=gnu11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512
 AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-DDSPARK_AMX"]  # left out where the compiler does not know them
 ENV = "DSPARK_KERNELS"  # "auto" (default) or "torch": read at each library() call
 AMX_ENV = "DSPARK_AMX"  # "1": the 4-bit and 8-bit matmuls on AMX tiles where the CPU has them; "0" (default)
-ACT8_ENV = "DSPARK_INT8_ACTIVATIONS"  # "1": the 4-bit matmuls on activations rounded to 8 bits; "0" (default)
+ACT8_ENV = "DSPARK_INT8_ACTIVATIONS"  # "1" (default, "0" with DSPARK_AMX=1): the 4-bit matmuls on activations
+# rounded to 8 bits; "0": on bf16 activations
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "dspark_int4_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT],
@@ -118,7 +120,8 @@ def library() -> ctypes.CDLL | None:
         return None
     if _tried:
         return _lib
-    choice, choice8 = os.environ.get(AMX_ENV, "0"), os.environ.get(ACT8_ENV, "0")
+    choice = os.environ.get(AMX_ENV, "0")
+    choice8 = os.environ.get(ACT8_ENV, "0" if choice == "1" else "1")  # AMX tiles take bf16 activations
     for env, value in ((AMX_ENV, choice), (ACT8_ENV, choice8)):
         if value not in ("0", "1"):
             raise ValueError(f"{env} must be 0 or 1, not {value!r}")
@@ -169,9 +172,18 @@ def amx() -> bool:
 
 
 def act8() -> bool:
-    """Whether the loaded kernels' 4-bit matmuls round their activations to 8 bits now (DSPARK_INT8_ACTIVATIONS=1;
-    read from the library, so a test that switches it packs weights for what it switched to)."""
+    """Whether the loaded kernels' 4-bit matmuls round their activations to 8 bits now (the default;
+    DSPARK_INT8_ACTIVATIONS=0 or DSPARK_AMX=1 turn it off; read from the library, so a test that switches it packs weights for what it switched to)."""
     return _lib is not None and ctypes.c_int.in_dll(_lib, "dspark_act8_on").value == 1
+
+
+def switch_routes(*, amx: bool, act8: bool) -> bool:
+    """For a benchmark or a test: the loaded kernels' matmuls on AMX tiles or not, on 8-bit activations or
+    not, until use_configured_routes(). Weights packed for the 4-bit matmuls suit one activation route
+    (int4.pack_for_kernel), so a model is loaded and run under the same one. Returns whether the routes
+    asked for are on (AMX needs the CPU's tiles)."""
+    return (_lib is not None and _lib.dspark_amx_init(int(amx)) == int(amx)
+            and _lib.dspark_act8_init(int(act8)) == int(act8))
 
 
 def use_configured_routes() -> None:

@@ -65,8 +65,8 @@ class Q8Linear(nn.Module):
     """Inference-only y = x @ W^T (+ bias) for 8-bit grouped weights: bf16 rows in, fp32 out (or
     `out_dtype`). Any out_features: the kernel's rows are padded to a multiple of 16, the output is not.
     With `vnni`, the rows are rounded to 8-bit groups as well and multiplied on VNNI (q8_vnni_mm.c):
-    about twice as fast, for callers that can take the rounding (the drafter; the target only where its 4-bit
-    matmuls round their rows too, DSPARK_INT8_ACTIVATIONS=1)."""
+    about twice as fast, for callers that can take the rounding (the drafter; the target where its 4-bit
+    matmuls round their rows too, native.act8())."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  out_dtype: torch.dtype = torch.float32, vnni: bool = False):
