@@ -182,8 +182,8 @@ def switch_routes(*, amx: bool, act8: bool) -> bool:
     not, until use_configured_routes(). Weights packed for the 4-bit matmuls suit one activation route
     (int4.pack_for_kernel), so a model is loaded and run under the same one. Returns whether the routes
     asked for are on (AMX needs the CPU's tiles)."""
-    return (_lib is not None and _lib.dspark_amx_init(int(amx)) == int(amx)
-            and _lib.dspark_act8_init(int(act8)) == int(act8))
+    lib = library()
+    return lib is not None and lib.dspark_amx_init(int(amx)) == int(amx) and lib.dspark_act8_init(int(act8)) == int(act8)
 
 
 def use_configured_routes() -> None:
