@@ -3,9 +3,9 @@ dspark's engine in fp32, in bf16 with packed weights, and in bf16 with the model
 (the GGUF's Q4_1 groups through dspark's own kernels on 8-bit activations, which is what dtype/quantization
 "auto" picks on AVX-512-bf16 + VNNI CPUs, on bf16 activations (DSPARK_INT8_ACTIVATIONS=0), on AMX tiles
 where the CPU has them (DSPARK_AMX=1), and through PyTorch's kernels alone) vs transformers' generate() in
-fp32 (its fastest CPU setting), plus the memory roofline per format (weight bytes / measured read bandwidth). Where `make
-llamacpp` has built llama.cpp, its `llama-bench` decodes the same GGUF on the same threads (tg: no prompt,
---tokens new tokens) in the same interleaved rounds.
+fp32 (its fastest CPU setting), plus the memory roofline per format (weight bytes / measured read
+bandwidth). Where `make llamacpp` has built llama.cpp, its `llama-bench` decodes the same GGUF on the same
+threads (tg: no prompt, --tokens new tokens) in the same interleaved rounds.
 
     .venv/bin/python bench/decode_speed.py [--tokens 128] [--repeats 3] [--json out.json]
 """

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark import LLM, SamplingParams
+from dspark.models import native
 from dspark.models.int4 import GROUP, Int4Linear, fit_int4, int4_supported, native_int4, quantize_linears_int4
 from dspark.models.loader import load_decoder
-from dspark.models import native
 from invariance import assert_embedded_rows_invariant, batched_logits, logits_by_chunks
 from rounding import rows_rounded_to_8bit
 

@@ -173,7 +173,8 @@ def amx() -> bool:
 
 def act8() -> bool:
     """Whether the loaded kernels' 4-bit matmuls round their activations to 8 bits now (the default;
-    DSPARK_INT8_ACTIVATIONS=0 or DSPARK_AMX=1 turn it off; read from the library, so a test that switches it packs weights for what it switched to)."""
+    DSPARK_INT8_ACTIVATIONS=0 or DSPARK_AMX=1 turn it off; read from the library, so a test that switches
+    it packs weights for what it switched to)."""
     return _lib is not None and ctypes.c_int.in_dll(_lib, "dspark_act8_on").value == 1
 
 
@@ -183,7 +184,8 @@ def switch_routes(*, amx: bool, act8: bool) -> bool:
     (int4.pack_for_kernel), so a model is loaded and run under the same one. Returns whether the routes
     asked for are on (AMX needs the CPU's tiles)."""
     lib = library()
-    return lib is not None and lib.dspark_amx_init(int(amx)) == int(amx) and lib.dspark_act8_init(int(act8)) == int(act8)
+    return (lib is not None and lib.dspark_amx_init(int(amx)) == int(amx)
+            and lib.dspark_act8_init(int(act8)) == int(act8))
 
 
 def use_configured_routes() -> None:

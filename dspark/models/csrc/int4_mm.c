@@ -20,10 +20,11 @@
  *
  * With 8-bit activations on (the default; DSPARK_INT8_ACTIVATIONS=0 or DSPARK_AMX=1 turn them off;
  * dspark_act8_init; block_rows_act8 below), each row's group of 32 inputs is rounded to e * u
- * (e = max|x| / 127, u in -127..127, as llama.cpp's Q8_1) and the group's dot with the codes is an exact integer from VPDPBUSD (4 products a lane against VDPBF16PS's 2, the
- * codes used as stored bytes): y[r, n] += d e isum + m e sum(u). The codes are then laid out by k-quads
- * (pack_for_kernel's act8 layout): chunk c (64 bytes) byte 4 j + i holds in its low nibble
- * q[16 * block + j, 32 * g + 8 c + i] and in its high nibble q[.., 32 * g + 8 c + 4 + i]; d and z as above.
+ * (e = max|x| / 127, u in -127..127, as llama.cpp's Q8_1) and the group's dot with the codes is an exact
+ * integer from VPDPBUSD (4 products a lane against VDPBF16PS's 2, the codes used as stored bytes):
+ * y[r, n] += d e isum + m e sum(u). The codes are then laid out by k-quads (pack_for_kernel's act8
+ * layout): chunk c (64 bytes) byte 4 j + i holds in its low nibble q[16 * block + j, 32 * g + 8 c + i]
+ * and in its high nibble q[.., 32 * g + 8 c + 4 + i]; d and z as above.
  *
  * With AMX on (DSPARK_AMX=1, dspark_amx_init), the group sums come from tile multiplies instead
  * (block_rows_amx, amx_block in simd.h): the same scaling after them, other bits than VDPBF16PS's, and
