@@ -12,6 +12,7 @@ threads (tg: no prompt, --tokens new tokens) in the same interleaved rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -64,13 +65,13 @@ def main() -> None:
     engines = {"float32": LLM(dtype="float32", quantization="none"),
                "bfloat16": LLM(dtype="bfloat16", quantization="none"),
                "bfloat16_int4": LLM(dtype="bfloat16", quantization="int4")}
-    routes = {}  # engine -> the kernels' matmul routes it was loaded for (switched to while it runs)
+    routes = {}  # engine -> the kernels' matmul route it was loaded for (switched to while it runs)
     if native.library() is not None:  # the same 4-bit weights on the other routes, and on PyTorch's kernels
-        for name, amx, act8 in (("bf16_activations", False, False), ("amx", True, False)):
-            if native.switch_routes(amx=amx, act8=act8):
-                routes[f"bfloat16_int4_{name}"] = (amx, act8)
-                engines[f"bfloat16_int4_{name}"] = LLM(dtype="bfloat16", quantization="int4")
-        native.use_configured_routes()
+        for route in ("bf16_activations", "amx"):
+            with native.route(route) as runs:
+                if runs:
+                    routes[f"bfloat16_int4_{route}"] = route
+                    engines[f"bfloat16_int4_{route}"] = LLM(dtype="bfloat16", quantization="int4")
         os.environ[native.ENV] = "torch"
         engines["bfloat16_int4_torch_kernels"] = LLM(dtype="bfloat16", quantization="int4")
         del os.environ[native.ENV]
@@ -85,10 +86,8 @@ def main() -> None:
         speeds["llama_cpp_llama_bench"] = []
     for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits every method
         for name, llm in engines.items():
-            if name in routes:
-                native.switch_routes(amx=routes[name][0], act8=routes[name][1])
-            speeds[f"dspark_{name}"].append(time_dspark(llm, prompt_ids, args.tokens))
-            native.use_configured_routes()
+            with native.route(routes[name]) if name in routes else contextlib.nullcontext():
+                speeds[f"dspark_{name}"].append(time_dspark(llm, prompt_ids, args.tokens))
         speeds["transformers_float32"].append(time_transformers(hf, prompt_ids, args.tokens))
         if llama_bench.exists():
             speeds["llama_cpp_llama_bench"].append(time_llama_bench(llama_bench, find_gguf(), args.tokens))

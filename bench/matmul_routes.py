@@ -37,13 +37,14 @@ def main() -> None:
     lib = native.library()
     if lib is None:
         raise SystemExit(f"dspark's kernels do not run here: {native.why()}")
-    routes = ["bf16"] + (["amx"] if native.switch_routes(amx=True, act8=False) else []) + ["int8-activations"]
     packed = {}  # route -> layer matmul -> weights in that route's layout
-    for route in routes:
-        native.switch_routes(amx=route == "amx", act8=route == "int8-activations")
-        gen = torch.Generator().manual_seed(0)
-        packed[route] = {name: pack_for_kernel(*fit_int4(torch.randn(n, k, generator=gen) * 0.02)[:3])
-                         for name, (n, k) in LAYER.items()}
+    for route in ("bf16_activations", "amx", "int8_activations"):
+        with native.route(route) as runs:
+            gen = torch.Generator().manual_seed(0)
+            if runs:
+                packed[route] = {name: pack_for_kernel(*fit_int4(torch.randn(n, k, generator=gen) * 0.02)[:3])
+                                 for name, (n, k) in LAYER.items()}
+    routes = list(packed)
     print(f"one layer's four 4-bit matmuls, median ms of {args.repeats}, {torch.get_num_threads()} threads")
     print(f"{'rows':>4} " + " ".join(f"{r:>18}" for r in routes))
     one = {}
@@ -52,11 +53,11 @@ def main() -> None:
         totals = dict.fromkeys(routes, 0.0)
         for name, (n, k) in LAYER.items():
             for route in routes:
-                native.switch_routes(amx=route == "amx", act8=route == "int8-activations")
-                totals[route] += median_ms(lambda: native.int4_mm(lib, xs[k], packed[route][name], n), args.repeats)
+                with native.route(route):
+                    totals[route] += median_ms(lambda: native.int4_mm(lib, xs[k], packed[route][name], n),
+                                               args.repeats)
         one = one or totals
         print(f"{rows:>4} " + " ".join(f"{totals[r]:>10.3f} ({totals[r] / one[r]:.2f}x)" for r in routes))
-    native.use_configured_routes()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import time
 from dspark import LLM, SamplingParams
 from dspark.models import native
 
-ROUTES = {"int8_activations": (False, True), "bf16_activations": (False, False), "amx": (True, False)}
 TEXT = "The lighthouse keeper climbed the spiral stairs, lit the lamp and wrote the weather in his logbook. "
 
 
@@ -24,10 +23,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     engines = {}
-    for name, (amx, act8) in ROUTES.items():
-        if native.switch_routes(amx=amx, act8=act8):
-            engines[name] = LLM(profile_progress=False)
-    native.use_configured_routes()
+    for name in native.ROUTES:
+        with native.route(name) as runs:
+            if runs:
+                engines[name] = LLM(profile_progress=False)
     if not engines:
         raise SystemExit(f"dspark's kernels do not run here: {native.why()}")
     tok = next(iter(engines.values())).tokenizer
@@ -36,12 +35,11 @@ def main() -> None:
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     for rep in range(args.repeats + 1):  # round 0 warms up
         for name, llm in engines.items():
-            native.switch_routes(amx=ROUTES[name][0], act8=ROUTES[name][1])
-            t = time.perf_counter()
-            llm.generate([ids], params)
-            if rep:
-                seconds[name].append(time.perf_counter() - t)
-            native.use_configured_routes()
+            with native.route(name):
+                t = time.perf_counter()
+                llm.generate([ids], params)
+                if rep:
+                    seconds[name].append(time.perf_counter() - t)
     for name, ts in seconds.items():
         m = statistics.median(ts)
         print(f"{name:>17}: {args.tokens}-token prefill {1e3 * m:.0f} ms median of {args.repeats}, "

@@ -18,15 +18,14 @@ lib = native.library()
 pytestmark = pytest.mark.skipif(lib is None, reason=f"dspark's kernels do not run here: {native.why()}")
 
 
-@pytest.fixture(params=["avx512", "amx", "act8"])
+@pytest.fixture(params=list(native.ROUTES))
 def matmul_path(request):
     """The 4-bit and 8-bit matmuls on AVX-512 with bf16 activations, where the CPU has it on AMX tiles
     (DSPARK_AMX=1), and the 4-bit ones on 8-bit activations (the default); the process's own paths afterwards."""
-    if not native.switch_routes(amx=request.param == "amx", act8=request.param == "act8"):
-        native.use_configured_routes()
-        pytest.skip("no AMX here")
-    yield request.param
-    native.use_configured_routes()
+    with native.route(request.param) as runs:
+        if not runs:
+            pytest.skip("no AMX here")
+        yield request.param
 
 
 def _rows(n: int, d: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
@@ -54,7 +53,7 @@ def test_int4_kernel_matches_the_dequantized_weight(shape, matmul_path):
     y = native.int4_mm(lib, x, packed, n)
     ref = x.float() @ wq.t()
     torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
-    if matmul_path == "act8":  # exactly the rows rounded to 8-bit groups, up to fp32 scaling and the bf16 output
+    if matmul_path == "int8_activations":  # exactly the rows rounded to 8-bit groups, up to fp32 scaling and the bf16 output
         ref8 = rows_rounded_to_8bit(x) @ wq.t()
         torch.testing.assert_close(y.float(), ref8, rtol=1e-2, atol=1e-3 * ref8.abs().max().item())
         assert (y.float() - ref8).abs().max() < (y.float() - ref).abs().max()

@@ -34,12 +34,14 @@ ops alone (a process picks one or the other per model load, never both within a 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -54,6 +56,8 @@ ENV = "DSPARK_KERNELS"  # "auto" (default) or "torch": read at each library() ca
 AMX_ENV = "DSPARK_AMX"  # "1": the 4-bit and 8-bit matmuls on AMX tiles where the CPU has them; "0" (default)
 ACT8_ENV = "DSPARK_INT8_ACTIVATIONS"  # "1" (default, "0" with DSPARK_AMX=1): the 4-bit matmuls on activations
 # rounded to 8 bits; "0": on bf16 activations
+ROUTES = {"int8_activations": (False, True), "bf16_activations": (False, False), "amx": (True, False)}
+"""The 4-bit matmuls' routes by name: (on AMX tiles, on 8-bit activations); see route()."""
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "dspark_int4_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT],
@@ -178,14 +182,19 @@ def act8() -> bool:
     return _lib is not None and ctypes.c_int.in_dll(_lib, "dspark_act8_on").value == 1
 
 
-def switch_routes(*, amx: bool, act8: bool) -> bool:
-    """For a benchmark or a test: the loaded kernels' matmuls on AMX tiles or not, on 8-bit activations or
-    not, until use_configured_routes(). Weights packed for the 4-bit matmuls suit one activation route
-    (int4.pack_for_kernel), so a model is loaded and run under the same one. Returns whether the routes
-    asked for are on (AMX needs the CPU's tiles)."""
+@contextlib.contextmanager
+def route(name: str) -> Iterator[bool]:
+    """For a benchmark or a test: the loaded kernels' matmuls on route `name` (ROUTES) inside the block,
+    the process's own routes after it. Yields whether that route runs here (AMX needs the CPU's tiles).
+    Weights packed for the 4-bit matmuls suit one activation route (int4.pack_for_kernel), so a model is
+    loaded and run under the same one."""
+    amx, act8 = ROUTES[name]
     lib = library()
-    return (lib is not None and lib.dspark_amx_init(int(amx)) == int(amx)
-            and lib.dspark_act8_init(int(act8)) == int(act8))
+    try:
+        yield (lib is not None and lib.dspark_amx_init(int(amx)) == int(amx)
+               and lib.dspark_act8_init(int(act8)) == int(act8))
+    finally:
+        use_configured_routes()
 
 
 def use_configured_routes() -> None:

@@ -7,7 +7,7 @@
  * (sum_k (q + 128) u - 128 sum_k u): integer sums are exact, and the row's sum of u per group is kept
  * beside its scale. Used for the drafter's projections, whose drafts need not be exact (verification keeps
  * the output lossless), and for the target's LM head where its 4-bit matmuls round their rows too
- * (DSPARK_INT8_ACTIVATIONS=1). A row's result depends on that row alone.
+ * (the default; dspark_act8_on). A row's result depends on that row alone.
  *
  * Layout (q8.pack_for_vnni): for each block of 16 output columns, for each group, a 576-byte record: 512
  * bytes of codes plus 128 (8 vectors; byte 4 c + i of vector p is q[16 * block + c, 32 * g + 4 p + i] + 128),
