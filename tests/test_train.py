@@ -93,7 +93,19 @@ def test_code_prompts_in_both_styles():
         stdlib_code_prompts(style="haiku")
 
 
-def test_tv_is_exact_with_a_reduced_vocabulary():
+@pytest.fixture(params=["kernels", "torch"])
+def vocab_route(request, monkeypatch):
+    """The vocabulary-sized training work on dspark's kernels (vocab_loss.c) and on PyTorch ops alone."""
+    from dspark.models import native
+
+    if request.param == "torch":
+        monkeypatch.setenv(native.ENV, "torch")
+    elif native.library() is None:
+        pytest.skip(f"dspark's kernels do not run here: {native.why()}")
+    return request.param
+
+
+def test_tv_is_exact_with_a_reduced_vocabulary(vocab_route):
     """p_t normalised over the full vocabulary; the drafter has no mass outside its vocabulary."""
     torch.manual_seed(0)
     pt_full = torch.softmax(torch.randn(3, 10), -1)
@@ -105,20 +117,22 @@ def test_tv_is_exact_with_a_reduced_vocabulary():
     torch.testing.assert_close(tv, exact, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 64])
-def test_fused_vocab_loss_matches_autograd(chunk):
-    """vocab_loss (chunked, hand-written backward) == NLL + exact TV through autograd, values and gradients;
-    IGNORE labels give no NLL and no NLL gradient; hit is "the label has the highest logit"."""
+@pytest.mark.parametrize("chunk,v,dtype", [(1, 11, torch.float32), (3, 11, torch.float32), (64, 11, torch.float32),
+                                           (3, 75, torch.float32), (3, 75, torch.bfloat16)])
+def test_fused_vocab_loss_matches_autograd(chunk, v, dtype, vocab_route):
+    """vocab_loss (chunked, hand-written backward; or dspark's kernel) == NLL + exact TV through autograd,
+    values and gradients, in the logits' dtype; IGNORE labels give no NLL and no NLL gradient; hit is "the
+    label has the highest logit". v = 75: whole vectors of 16 and a tail."""
     torch.manual_seed(1)
-    n, v = 7, 11
-    logits = (3 * torch.randn(n, v)).requires_grad_(True)
+    n = 7
+    logits = (3 * torch.randn(n, v)).to(dtype).requires_grad_(True)
     pt = torch.softmax(torch.randn(4, v), -1) * 0.9  # 10% of the target's mass outside the vocabulary
     rows = torch.tensor([0, 1, 1, 2, 3, 0, 2])
     labels = torch.tensor([3, IGNORE, 5, 0, 10, 2, IGNORE])
     labels[0] = int(logits[0].argmax())  # one certain hit
     g_nll, g_tv = torch.rand(n), torch.rand(n)
 
-    log_pd = torch.log_softmax(logits, -1)
+    log_pd = torch.log_softmax(logits.float(), -1)
     q = pt[rows]
     ok = labels >= 0
     nll_ref = -log_pd.gather(1, labels.clamp(min=0)[:, None]).squeeze(1) * ok
@@ -131,11 +145,13 @@ def test_fused_vocab_loss_matches_autograd(chunk):
     ((nll * g_nll).sum() + (tv * g_tv).sum()).backward()
     torch.testing.assert_close(nll, nll_ref.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(tv, tv_ref.detach(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits.grad, grad_ref, atol=1e-5, rtol=1e-5)
+    assert logits.grad.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the reference's gradient rounded once, as ours is
+    torch.testing.assert_close(logits.grad, grad_ref, atol=tol, rtol=tol)
     assert torch.equal(hit, (logits.argmax(-1) == labels) & ok) and hit[0]
 
 
-def test_soft_labels_are_the_targets_full_distribution(tiny_setup):
+def test_soft_labels_are_the_targets_full_distribution(tiny_setup, vocab_route):
     """soft_labels: p_t on the draft ids from the full-vocabulary softmax, and the full-vocabulary argmax."""
     from dspark.models.loader import load_decoder
     from dspark.train.dense_target import DenseTarget
@@ -149,6 +165,24 @@ def test_soft_labels_are_the_targets_full_distribution(tiny_setup):
     pt, greedy = soft_labels(target, h, d2t, chunk=2)
     torch.testing.assert_close(pt, full[:, d2t])
     assert torch.equal(greedy, full.argmax(-1))
+    pt_all, _ = soft_labels(target, h, None, chunk=2)
+    torch.testing.assert_close(pt_all, full)
+
+
+def test_soft_labels_argmax_takes_the_lowest_of_tied_ids(vocab_route):
+    """Equal maxima (common in bf16 logits): the lowest id, as torch.argmax and the served path pick."""
+    from dspark.train.features import soft_labels
+
+    logits = torch.zeros(3, 50, dtype=torch.bfloat16)
+    logits[:, [7, 33, 48]] = 2.0
+    logits[1, 2] = 2.0
+
+    class Target:
+        def logits(self, rows):
+            return rows
+
+    _, greedy = soft_labels(Target(), logits, torch.arange(10))
+    assert greedy.tolist() == [7, 2, 7]
 
 
 def test_greedy_path_drops_slots_after_a_disagreement():
@@ -344,3 +378,16 @@ def test_per_set_curve_keeps_only_records_that_measured_the_set(tmp_path) -> Non
     assert [p["tokens"] for p in curve_points([log])] == [100, 200, 300]
     assert [(p["tokens"], p["tau"]) for p in curve_points([log], "a")] == [(200, 2.0), (300, 2.1)]
     assert [(p["tokens"], p["tau"]) for p in curve_points([log], "b")] == [(300, 1.5)]
+
+
+def test_keep_freed_memory_is_switchable(monkeypatch):
+    """Raised once per process on glibc; DSPARK_KEEP_FREED_MEMORY=0 leaves the allocator as it is."""
+    from dspark.train import memory
+
+    monkeypatch.setattr(memory, "_done", False)
+    monkeypatch.setenv(memory.ENV, "0")
+    assert memory.keep_freed_memory() is False and memory._done is False
+    monkeypatch.delenv(memory.ENV)
+    import platform
+    if platform.libc_ver()[0] == "glibc":
+        assert memory.keep_freed_memory() is True and memory.keep_freed_memory() is True

@@ -22,8 +22,8 @@ from dspark.sampling.sampler import sample, warp_probs
 class TrainOutput:
     """Teacher-forced outputs for all anchored blocks."""
 
-    logits: torch.Tensor  # [B, A, gamma, Vd] fp32, base + sequential bias
-    base_logits: torch.Tensor  # [B, A, gamma, Vd] fp32, backbone only (U_k)
+    logits: torch.Tensor  # [B, A, gamma, Vd] in the drafter's dtype, base + sequential bias
+    base_logits: torch.Tensor  # [B, A, gamma, Vd] in the drafter's dtype, backbone only (U_k)
     conf_logits: torch.Tensor | None  # [B, A, gamma] fp32; None without a confidence head
 
 
@@ -86,8 +86,10 @@ class DSparkDrafter(Backbone):
 
     # ---- shared pieces -------------------------------------------------------------------------
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """Base logits U [..., Vd] fp32 of final-normed hidden h [..., d]."""
-        return (h @ self.lm_head.to(h.dtype).T).float()
+        """Base logits U [..., Vd] of final-normed hidden h [..., d], in its dtype: the losses read a bf16
+        row in fp32 as they go (train/losses.py), where whole [N, Vd] fp32 copies and their gradients'
+        casts back were ~5% of a training step."""
+        return h @ self.lm_head.to(h.dtype).T
 
     def _block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
         """[embed anchor, mask, ..., mask] ids: anchors [...] -> [..., gamma]."""
@@ -162,7 +164,7 @@ class DSparkDrafter(Backbone):
                 bias = self.markov_head.block_bias(emb.flatten(0, 1), h.flatten(0, 1))  # [B*A, gamma, Vd]
             else:
                 bias = self.markov_head.step(emb, h, None)[0]
-            logits = base + bias.view_as(base).float()
+            logits = base + bias.view_as(base).to(base.dtype)
         conf = self.confidence_head(h, emb).float() if self.confidence_head is not None else None
         return logits, conf
 

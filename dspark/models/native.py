@@ -23,8 +23,11 @@
   Likewise one call per layer of the drafter's block pass, and one for its context projection.
 - `markov.c`: greedy drafting through DSpark's vanilla Markov head, every position of a block in one
   call (in PyTorch, ~8 ops and a 16k-row product per position, sequential by construction).
+- `vocab_loss.c`: for training, the drafter's vocabulary-sized losses and their gradient, and the target's
+  soft labels, a row at a time while it sits in cache (in PyTorch, ~10-14 passes through memory over
+  [rows, vocabulary] tensors each: ~2.5 s of a ~13 s training step).
 
-Each gives a row the same result whatever the other rows of the call, which is what keeps speculative
+Each serving kernel gives a row the same result whatever the other rows of the call, which is what keeps speculative
 verification token-identical to plain decoding (tests/test_native.py, tests/test_packing.py).
 
 The shared library is compiled on first use (a few seconds; `dspark prepare` does it ahead) into
@@ -48,7 +51,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("int4_mm.c", "q8_mm.c", "q8_vnni_mm.c", "attention.c", "layer_ops.c",
-                                           "layer.c", "markov.c")]
+                                           "layer.c", "markov.c", "vocab_loss.c")]
 FLAGS = ["-O3", "-std=gnu11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp",
          "-fPIC", "-shared"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-DDSPARK_AMX"]  # left out where the compiler does not know them
@@ -76,6 +79,9 @@ SIGNATURES = {
     "dspark_drafter_context": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _I64, _I64, _I64, _PTR, _F32, _PTR,
                                _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
     "dspark_markov_pack": [_PTR, _I64, _I64, _PTR],
+    "dspark_vocab_loss_fwd": [_PTR, _INT, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
+    "dspark_vocab_loss_bwd": [_PTR, _INT, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
+    "dspark_soft_labels": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
     "dspark_markov_greedy": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
                              _PTR, _INT],
 }
@@ -310,3 +316,39 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     hd = q.shape[-1]
     return (q.dtype == k.dtype == torch.float32 and hd % 16 == 0 and hd <= 256 and k.stride(-1) == 1
             and k.stride(-2) == hd and q.device.type == "cpu")
+
+
+def vocab_loss_forward(lib, logits: torch.Tensor, pt: torch.Tensor, pt_rows: torch.Tensor, labels: torch.Tensor,
+                       ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """train/losses.py's _VocabLoss.forward: logits [N, Vd] fp32 or bf16 contiguous, pt [U, Vd] fp32
+    contiguous, pt_rows and labels (>= 0) [N] int64, ok [N] bool -> (lse, nll, tv, hit) [N]."""
+    n, v = logits.shape
+    lse, nll, tv = (torch.empty(n, dtype=torch.float32) for _ in range(3))
+    hit = torch.empty(n, dtype=torch.bool)
+    lib.dspark_vocab_loss_fwd(logits.data_ptr(), int(logits.dtype == torch.bfloat16), n, v, pt.data_ptr(),
+                              pt_rows.data_ptr(), labels.data_ptr(), ok.data_ptr(), lse.data_ptr(), nll.data_ptr(),
+                              tv.data_ptr(), hit.data_ptr(), _threads())
+    return lse, nll, tv, hit
+
+
+def vocab_loss_backward(lib, logits: torch.Tensor, pt: torch.Tensor, pt_rows: torch.Tensor, labels: torch.Tensor,
+                        ok: torch.Tensor, lse: torch.Tensor, g_nll: torch.Tensor, g_tv: torch.Tensor) -> torch.Tensor:
+    """_VocabLoss.backward: the forward's inputs, its lse, and the gradients of nll and tv [N] fp32
+    contiguous -> the gradient in logits [N, Vd], in their dtype."""
+    grad = torch.empty_like(logits)
+    lib.dspark_vocab_loss_bwd(logits.data_ptr(), int(logits.dtype == torch.bfloat16), logits.shape[0],
+                              logits.shape[1], pt.data_ptr(), pt_rows.data_ptr(), labels.data_ptr(), ok.data_ptr(),
+                              lse.data_ptr(), g_nll.data_ptr(), g_tv.data_ptr(), grad.data_ptr(), _threads())
+    return grad
+
+
+def soft_labels(lib, logits: torch.Tensor, d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """train/features.py's soft_labels on rows of target logits [N, V] bf16 contiguous: (p_t on the draft
+    vocabulary d2t [Vd] int64 (None: all of V) [N, Vd] fp32, normalised over all of V; argmax [N] int64)."""
+    n, v = logits.shape
+    vd = v if d2t is None else d2t.shape[0]
+    probs = torch.empty(n, vd, dtype=torch.float32)
+    greedy = torch.empty(n, dtype=torch.long)
+    lib.dspark_soft_labels(logits.data_ptr(), n, v, None if d2t is None else d2t.data_ptr(), vd, probs.data_ptr(),
+                           greedy.data_ptr(), _threads())
+    return probs, greedy

@@ -19,8 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from dspark.cache import blocks_for
+from dspark.models import native
 from dspark.models.layers import apply_rotary
 from dspark.models.packing import PackedLinear, packing_supported
+
+
+def _rows(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A norm over x [..., d] as rows [N, d]: the form dspark's one-call RMSNorm kernel takes (models/layers.py),
+    where [B, S, d] would take the slower PyTorch route."""
+    return norm(x.reshape(-1, x.shape[-1])).view(x.shape)
 
 
 class _Linear:
@@ -76,13 +83,15 @@ class DenseTarget:
                                       _Linear(mlp.down.weight, mlp.down.bias),
                                       layer.input_layernorm, layer.post_attention_layernorm, at.q_norm, at.k_norm))
         self.h, self.hkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
+        self._silu_mul = (native.library() is not None and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+                          and c.intermediate_size % 16 == 0)
         self.eos = set(c.eos_token_ids)
 
     # ---- one layer -----------------------------------------------------------------------------
     def _qkv(self, layer: _Layer, x: torch.Tensor, positions: torch.Tensor):
         """x [B, T, d] at positions [B, T] -> q [B, H, T, hd], k and v [B, Hkv, T, hd] (RoPE applied)."""
         b, t, _ = x.shape
-        qkv = layer.qkv(layer.norm1(x)).view(b * t, self.h + 2 * self.hkv, self.hd)
+        qkv = layer.qkv(_rows(layer.norm1, x)).view(b * t, self.h + 2 * self.hkv, self.hd)
         q, k, v = qkv.split([self.h, self.hkv, self.hkv], dim=1)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
@@ -96,8 +105,13 @@ class DenseTarget:
         """Residual adds around attention output att [B, H, T, hd] and the MLP."""
         b, _, t, _ = att.shape
         x = x + layer.o(att.transpose(1, 2).reshape(b, t, self.h * self.hd))
-        gate, up = layer.gate_up(layer.norm2(x)).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+        gu = layer.gate_up(_rows(layer.norm2, x))
+        if self._silu_mul:  # one kernel pass (models/native.py) where silu(gate) * up are two over big tensors
+            act = native.silu_mul(native.loaded(), gu.view(-1, gu.shape[-1])).view(*gu.shape[:-1], -1)
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return x + layer.down(act)
 
     # ---- teacher-forced ------------------------------------------------------------------------
     @torch.no_grad()
@@ -118,7 +132,7 @@ class DenseTarget:
             if i in hidden_layers:
                 taps[i] = x
         hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1) if hidden_layers else None
-        return hidden, self.norm(x)
+        return hidden, _rows(self.norm, x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., d] -> logits [..., V] in the model dtype."""

@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from dspark.models import native
+
 
 @dataclass
 class TargetBatch:
@@ -77,7 +79,14 @@ def soft_labels(target, final: torch.Tensor, d2t: torch.Tensor | None,
     draft vocabulary; the target's greedy token [N], a target id)."""
     probs, greedy = [], []
     for rows in final.split(chunk):
-        logits = target.logits(rows).float()  # [n, V]: the served LM head's values (its dtype), in fp32
+        logits = target.logits(rows)  # [n, V]: the served LM head's values (its dtype)
+        if (logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.is_contiguous()
+                and native.library() is not None):  # one pass a row on dspark's kernel (vocab_loss.c)
+            p, g = native.soft_labels(native.loaded(), logits, None if d2t is None else d2t.contiguous())
+            probs.append(p)
+            greedy.append(g)
+            continue
+        logits = logits.float()
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         inside = logits if d2t is None else logits.index_select(-1, d2t)
         probs.append(inside.sub_(lse).exp_())

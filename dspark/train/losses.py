@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.drafters.blocks import IGNORE
+from dspark.models import native
 
 
 @dataclass
@@ -42,13 +43,22 @@ class _VocabLoss(torch.autograd.Function):
     p_d is zero) and "label is the argmax", over the draft
     vocabulary, fused and taken a few rows at a time: each chunk of [rows, Vd] stays in cache through
     the softmax, both losses and, in backward, their gradient (recomputed from the saved log-normaliser),
-    where autograd would make about ten passes over the whole [N, Vd] tensor in memory."""
+    where autograd would make about ten passes over the whole [N, Vd] tensor in memory. Where dspark's
+    kernels run (models/native.py, vocab_loss.c) both directions are one call that reads a row once or
+    twice; the chunked PyTorch form below is the reference they are tested against."""
 
     @staticmethod
     def forward(ctx, logits, pt, pt_rows, labels, chunk):  # noqa: D102 (see vocab_loss)
         n = logits.shape[0]
         ok = labels >= 0
         lab = labels.clamp(min=0)
+        ctx.native = _native(logits, pt)
+        if ctx.native:
+            pt_rows, lab = pt_rows.contiguous(), lab.contiguous()
+            lse, nll, tv, hit = native.vocab_loss_forward(native.loaded(), logits, pt, pt_rows, lab, ok)
+            ctx.save_for_backward(logits, pt, pt_rows, lab, ok, lse)
+            ctx.mark_non_differentiable(hit)
+            return nll, tv, hit
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         nll, tv = torch.empty_like(lse), torch.empty_like(lse)
         hit = torch.empty(n, dtype=torch.bool, device=logits.device)
@@ -73,6 +83,10 @@ class _VocabLoss(torch.autograd.Function):
         n = logits.shape[0]
         g_nll = (g_nll if g_nll is not None else torch.zeros_like(lse)) * ok
         g_tv = g_tv if g_tv is not None else torch.zeros_like(lse)
+        if ctx.native:
+            grad = native.vocab_loss_backward(native.loaded(), logits, pt, pt_rows, lab, ok, lse,
+                                              g_nll.float().contiguous(), g_tv.float().contiguous())
+            return grad, None, None, None, None
         grad = torch.empty_like(logits)
         for s in range(0, n, ctx.chunk):
             e = min(s + ctx.chunk, n)
@@ -84,6 +98,13 @@ class _VocabLoss(torch.autograd.Function):
             g.scatter_add_(1, lab[s:e, None], -g_nll[s:e, None])
             grad[s:e] = g
         return grad, None, None, None, None
+
+
+def _native(logits: torch.Tensor, pt: torch.Tensor) -> bool:
+    """Whether vocab_loss runs on dspark's kernel for these tensors."""
+    return (native.library() is not None and logits.device.type == "cpu" and logits.dim() == 2
+            and logits.dtype in (torch.float32, torch.bfloat16) and logits.is_contiguous()
+            and pt.dtype == torch.float32 and pt.is_contiguous() and pt.shape[-1] == logits.shape[-1])
 
 
 def vocab_loss(logits: torch.Tensor, pt: torch.Tensor, pt_rows: torch.Tensor, labels: torch.Tensor,

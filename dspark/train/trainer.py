@@ -26,6 +26,7 @@ from dspark.models.loader import resolve_dtype
 from dspark.train.config import TrainConfig, config_from_args
 from dspark.train.features import FeatureCache, TargetBatch, soft_labels, target_batch
 from dspark.train.losses import combine, dspark_loss_parts, position_weights, summarize
+from dspark.train.memory import keep_freed_memory
 from dspark.train.optim import MasterAdamW
 
 CKPT = "ckpt.pt"
@@ -106,6 +107,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        keep_freed_memory()  # train/memory.py: large temporaries reuse the heap instead of fresh pages
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.rank, self.world = _init_distributed()

@@ -1,0 +1,131 @@
+"""Training throughput: the same optimizer steps of a `dspark train` recipe run on each route, interleaved
+step by step in one process so host drift hits both alike, with where a step's time goes.
+
+Routes: "kernels" (the vocabulary-sized losses, their gradient and the target's soft labels on dspark's
+kernels, models/csrc/vocab_loss.c; the dense target's SiLU-gating and norms too) and "torch" (PyTorch ops
+alone). Each step index runs once per route on the same sequences and anchors (the weights move on
+between them, which changes no shape). Training tokens are the target tokens a step reads, the trainer's
+own tokens/s. Needs a data directory made by `dspark train-data` (docs/training.md).
+
+    .venv/bin/python bench/train_speed.py --steps 4 -- --data runs/data/gen-chat [more dspark train options]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+from dspark.models import native
+from dspark.train import trainer as trainer_mod
+from dspark.train.config import add_train_args, config_from_args
+
+# the shipped drafter's recipe (dspark/checkpoints/README.md), so only --data must be given
+DEFAULTS = ("--init-from dspark/checkpoints/smollm2-135m-dspark --num-layers 2 --markov-rank 64 --target-layer-ids "
+            "1,8,15,22,28 --mask-token-id 16 --draft-vocab-size 16384 --batch-size 16 --micro-tokens 4096 "
+            "--anchors 128 --conf-label greedy --lr 3e-4 --threads 2 --val-every-nth 20 --steps 1000").split()
+
+
+@contextmanager
+def route(name: str, trainer):
+    """The training step's vocabulary-sized work and the dense target's pointwise ops on `name`."""
+    saved = os.environ.get(native.ENV)
+    if name == "torch":
+        os.environ[native.ENV] = "torch"
+    silu = trainer.target._silu_mul
+    norms = [(m, m._kernels) for layer in trainer.target.layers for m in (layer.norm1, layer.norm2)]
+    norms.append((trainer.target.norm, trainer.target.norm._kernels))
+    if name == "torch":
+        trainer.target._silu_mul = False
+        for m, _ in norms:
+            m._kernels = False
+    try:
+        yield
+    finally:
+        trainer.target._silu_mul = silu
+        for m, k in norms:
+            m._kernels = k
+        if saved is None:
+            os.environ.pop(native.ENV, None)
+        else:
+            os.environ[native.ENV] = saved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4, help="steps timed per route (after one warm-up step each)")
+    ap.add_argument("--routes", default="kernels,torch")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `dspark train` options (--data ...)")
+    args = ap.parse_args()
+    rest = [a for a in args.train_args if a != "--"]
+    tp = argparse.ArgumentParser()
+    add_train_args(tp)
+    cfg = config_from_args(tp.parse_args(DEFAULTS + ["--run-dir", "/tmp/dspark-train-speed"] + rest))
+    routes = args.routes.split(",")
+    if "kernels" in routes and native.library() is None:
+        sys.exit(f"dspark's kernels do not run here: {native.why()}")
+    tr = trainer_mod.Trainer(cfg)
+
+    phases: dict[str, float] = collections.defaultdict(float)
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            phases[name] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    trainer_mod.target_batch = timed("target pass", trainer_mod.target_batch)
+    trainer_mod.soft_labels = timed("soft labels", trainer_mod.soft_labels)
+    tr.loss_parts = timed("drafter forward + losses", tr.loss_parts)
+    combine = trainer_mod.combine
+
+    class _Timed:  # the loss whose backward() is timed
+        def __init__(self, loss):
+            self.loss = loss
+
+        def backward(self):
+            t = time.perf_counter()
+            self.loss.backward()
+            phases["backward"] += time.perf_counter() - t
+
+    trainer_mod.combine = lambda *a, **k: _Timed(combine(*a, **k))
+    tr.opt.step = timed("optimizer", tr.opt.step)
+
+    rows: dict[str, list[dict]] = {r: [] for r in routes}
+    for step in range(args.steps + 1):  # step 0 warms up each route
+        for name in routes:
+            phases.clear()
+            with route(name, tr):
+                t = time.perf_counter()
+                _, tokens = tr.train_step(step)
+                dt = time.perf_counter() - t
+            rec = {"step": step, "tokens": tokens, "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1),
+                   **{k: round(v, 3) for k, v in phases.items()}}
+            rec["drafter forward + losses"] = round(rec.get("drafter forward + losses", 0.0)
+                                                    - rec.get("soft labels", 0.0), 3)  # soft labels run inside
+            print(f"{name:8s} " + json.dumps(rec), flush=True)
+            if step:
+                rows[name].append(rec)
+    summary = {}
+    for name, recs in rows.items():
+        keys = [k for k in recs[0] if k not in ("step", "tokens", "tokens_per_s")]
+        summary[name] = {"tokens_per_s": round(sum(r["tokens"] for r in recs) / sum(r["seconds"] for r in recs), 1),
+                         **{k: round(statistics.median(r[k] for r in recs), 3) for k in keys}}
+        print(f"{name:8s} {summary[name]['tokens_per_s']:.0f} training tokens/s; median seconds a step: "
+              + ", ".join(f"{k} {v}" for k, v in summary[name].items() if k != "tokens_per_s"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: getattr(cfg, k) for k in ("data", "batch_size", "anchors", "micro_tokens",
+                                                                 "threads")},
+                       "steps": rows, "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
