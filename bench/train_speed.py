@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dspark.models import native
 from dspark.train import trainer as trainer_mod
 from dspark.train.config import add_train_args, config_from_args
+from dspark.train.memory import release_freed_memory
 
 # the shipped drafter's recipe (dspark/checkpoints/README.md), so only --data must be given
 DEFAULTS = ("--init-from dspark/checkpoints/smollm2-135m-dspark --num-layers 2 --markov-rank 64 --target-layer-ids "
@@ -53,6 +54,15 @@ def route(name: str, trainer):
             os.environ.pop(native.ENV, None)
         else:
             os.environ[native.ENV] = saved
+
+
+def _rss_gb() -> float:
+    """This process's resident memory now, GiB (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30, 2)
+    except (OSError, ValueError):
+        return 0.0
 
 
 def main() -> None:
@@ -105,9 +115,10 @@ def main() -> None:
             with route(name, tr):
                 t = time.perf_counter()
                 _, tokens = tr.train_step(step)
+                release_freed_memory()  # as Trainer.fit does after each step
                 dt = time.perf_counter() - t
             rec = {"step": step, "tokens": tokens, "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1),
-                   **{k: round(v, 3) for k, v in phases.items()}}
+                   **{k: round(v, 3) for k, v in phases.items()}, "rss_gb": _rss_gb()}
             rec["drafter forward + losses"] = round(rec.get("drafter forward + losses", 0.0)
                                                     - rec.get("soft labels", 0.0), 3)  # soft labels run inside
             print(f"{name:8s} " + json.dumps(rec), flush=True)
@@ -115,7 +126,7 @@ def main() -> None:
                 rows[name].append(rec)
     summary = {}
     for name, recs in rows.items():
-        keys = [k for k in recs[0] if k not in ("step", "tokens", "tokens_per_s")]
+        keys = [k for k in recs[0] if k not in ("step", "tokens", "tokens_per_s", "rss_gb")]
         summary[name] = {"tokens_per_s": round(sum(r["tokens"] for r in recs) / sum(r["seconds"] for r in recs), 1),
                          **{k: round(statistics.median(r[k] for r in recs), 3) for k in keys}}
         print(f"{name:8s} {summary[name]['tokens_per_s']:.0f} training tokens/s; median seconds a step: "

@@ -381,13 +381,28 @@ def test_per_set_curve_keeps_only_records_that_measured_the_set(tmp_path) -> Non
 
 
 def test_keep_freed_memory_is_switchable(monkeypatch):
-    """Raised once per process on glibc; DSPARK_KEEP_FREED_MEMORY=0 leaves the allocator as it is."""
+    """Raised once per process on glibc; DSPARK_KEEP_FREED_MEMORY=0 leaves the allocator as it is, and
+    release_freed_memory() is then a no-op; after keep_freed_memory() it hands free pages back."""
+    import platform
+
     from dspark.train import memory
 
     monkeypatch.setattr(memory, "_done", False)
+    monkeypatch.setattr(memory, "_libc", None)
     monkeypatch.setenv(memory.ENV, "0")
     assert memory.keep_freed_memory() is False and memory._done is False
+    memory.release_freed_memory()  # nothing to release
     monkeypatch.delenv(memory.ENV)
-    import platform
-    if platform.libc_ver()[0] == "glibc":
-        assert memory.keep_freed_memory() is True and memory.keep_freed_memory() is True
+    if platform.libc_ver()[0] != "glibc":
+        return
+    assert memory.keep_freed_memory() is True and memory.keep_freed_memory() is True
+    block = torch.ones(64, 2**20)  # 256 MB, in the heap now
+    del block
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = rss()
+    memory.release_freed_memory()
+    assert rss() < before - 128 * 2**20

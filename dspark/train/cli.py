@@ -6,8 +6,6 @@ import json
 import sys
 from typing import Any
 
-from dspark.train.memory import keep_freed_memory
-
 
 def register(sub: Any) -> None:
     """Add the train-data, train and calibrate subcommands to an argparse subparsers object."""
@@ -83,7 +81,6 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_data(args: argparse.Namespace) -> int:
-    keep_freed_memory()  # large temporaries reuse the heap (train/memory.py)
     from dspark.train.datagen import (generate_shards, mix_prompts, rank_shards, read_prompt_file, shard_rank,
                                       sharegpt_prompts, stdlib_code_prompts)
 
@@ -158,7 +155,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    keep_freed_memory()
     from dspark.train.sts import run_from_args
 
     return run_from_args(args)

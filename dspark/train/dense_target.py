@@ -224,16 +224,22 @@ class DenseTarget:
         hidden = (torch.arange(span, device=self.device) > pos.unsqueeze(1)).view(len(active), 1, 1, span)
         # Past half the slots, attend from every slot's view of the cache (no copy) and keep the active
         # rows; below it, gather the active slots' K/V (a copy, cheaper than attending for idle slots).
+        every = len(active) == kv.shape[2]  # all slots busy (most steps): no scatter or gather of rows at all
         full = 2 * len(active) > kv.shape[2]
-        if full:
+        if full and not every:
             hidden = torch.ones(kv.shape[2], 1, 1, span, dtype=torch.bool, device=self.device).index_copy_(
                 0, idx, hidden)
             hidden[..., 0] = False  # idle slots see key 0 (active ones always do): no all-masked NaN rows
+        # each new key's row in a layer's cache seen as [slots * Hkv * max_len, hd]: one index_copy_ a write
+        rows = ((idx.unsqueeze(1) * self.hkv + torch.arange(self.hkv, device=self.device)) * kv.shape[4]
+                + pos.unsqueeze(1)).reshape(-1)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, pos.unsqueeze(1))
-            kv[i, 0, idx, :, pos] = k[:, :, 0]
-            kv[i, 1, idx, :, pos] = v[:, :, 0]
-            if full:
+            kv[i, 0].view(-1, self.hd).index_copy_(0, rows, k[:, :, 0].reshape(-1, self.hd))
+            kv[i, 1].view(-1, self.hd).index_copy_(0, rows, v[:, :, 0].reshape(-1, self.hd))
+            if every:
+                att = self._decode_attention(q, kv[i, 0, :, :, :span], kv[i, 1, :, :, :span], hidden)
+            elif full:
                 qa = q.new_zeros(kv.shape[2], *q.shape[1:]).index_copy_(0, idx, q)
                 att = self._decode_attention(qa, kv[i, 0, :, :, :span], kv[i, 1, :, :, :span], hidden)[idx]
             else:

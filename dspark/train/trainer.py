@@ -26,7 +26,7 @@ from dspark.models.loader import resolve_dtype
 from dspark.train.config import TrainConfig, config_from_args
 from dspark.train.features import FeatureCache, TargetBatch, soft_labels, target_batch
 from dspark.train.losses import combine, dspark_loss_parts, position_weights, summarize
-from dspark.train.memory import keep_freed_memory
+from dspark.train.memory import keep_freed_memory, release_freed_memory
 from dspark.train.optim import MasterAdamW
 
 CKPT = "ckpt.pt"
@@ -107,7 +107,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        keep_freed_memory()  # train/memory.py: large temporaries reuse the heap instead of fresh pages
+        keep_freed_memory()  # train/memory.py: a step's large temporaries reuse the heap (trimmed after it)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.rank, self.world = _init_distributed()
@@ -370,6 +370,7 @@ class Trainer:
             _all_reduce(total, self.world)
             totals[name] = total
         out = summarize(sum(totals.values()), self.dcfg.block_size)
+        release_freed_memory()
         if len(totals) > 1:
             out["sets"] = {name: summarize(t, self.dcfg.block_size) for name, t in totals.items()}
         return out
@@ -433,6 +434,7 @@ class Trainer:
                 return {}
             t0 = time.perf_counter()
             m, ntok = self.train_step(self.step)
+            release_freed_memory()
             ntok_t = torch.tensor([float(ntok)], dtype=torch.float64)
             _all_reduce(ntok_t, self.world)
             self.step += 1
