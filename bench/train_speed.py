@@ -37,17 +37,17 @@ def route(name: str, trainer):
     saved = os.environ.get(native.ENV)
     if name == "torch":
         os.environ[native.ENV] = "torch"
-    silu = trainer.target._silu_mul
+    silu = trainer.target._kernels
     norms = [(m, m._kernels) for layer in trainer.target.layers for m in (layer.norm1, layer.norm2)]
     norms.append((trainer.target.norm, trainer.target.norm._kernels))
     if name == "torch":
-        trainer.target._silu_mul = False
+        trainer.target._kernels = False
         for m, _ in norms:
             m._kernels = False
     try:
         yield
     finally:
-        trainer.target._silu_mul = silu
+        trainer.target._kernels = silu
         for m, k in norms:
             m._kernels = k
         if saved is None:

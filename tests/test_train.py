@@ -387,10 +387,9 @@ def test_keep_freed_memory_is_switchable(monkeypatch):
 
     from dspark.train import memory
 
-    monkeypatch.setattr(memory, "_done", False)
     monkeypatch.setattr(memory, "_libc", None)
     monkeypatch.setenv(memory.ENV, "0")
-    assert memory.keep_freed_memory() is False and memory._done is False
+    assert memory.keep_freed_memory() is False and memory._libc is None
     memory.release_freed_memory()  # nothing to release
     monkeypatch.delenv(memory.ENV)
     if platform.libc_ver()[0] != "glibc":

@@ -72,12 +72,18 @@ class SwiGLU(nn.Module):
         self._kernels = native.library() is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up.forward(x)
-        if (self._kernels and not gu.requires_grad and gu.dtype == torch.bfloat16 and gu.dim() == 2
-                and gu.device.type == "cpu" and gu.is_contiguous() and self.intermediate % 16 == 0):
-            return self.down.forward(native.silu_mul(native.loaded(), gu))  # one kernel call
-        gate, up = gu.split(self.intermediate, dim=-1)
-        return self.down.forward(F.silu(gate) * up)
+        return self.down.forward(silu_gate(self.gate_up.forward(x), self._kernels))
+
+
+def silu_gate(gu: torch.Tensor, kernels: bool) -> torch.Tensor:
+    """silu(gate) * up of gu [..., 2n] (gate first): one kernel call for bf16 rows [N, 2n] outside autograd
+    where dspark's kernels run (`kernels`, decided by the caller at construction), else two PyTorch ops."""
+    n = gu.shape[-1] // 2
+    if (kernels and not gu.requires_grad and gu.dtype == torch.bfloat16 and gu.dim() == 2
+            and gu.device.type == "cpu" and gu.is_contiguous() and n % 16 == 0):
+        return native.silu_mul(native.loaded(), gu)
+    gate, up = gu.split(n, dim=-1)
+    return F.silu(gate) * up
 
 
 class Rotary(nn.Module):

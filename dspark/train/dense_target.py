@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from dspark.cache import blocks_for
 from dspark.models import native
-from dspark.models.layers import apply_rotary
+from dspark.models.layers import apply_rotary, silu_gate
 from dspark.models.packing import PackedLinear, packing_supported
 
 
@@ -83,8 +83,7 @@ class DenseTarget:
                                       _Linear(mlp.down.weight, mlp.down.bias),
                                       layer.input_layernorm, layer.post_attention_layernorm, at.q_norm, at.k_norm))
         self.h, self.hkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
-        self._silu_mul = (native.library() is not None and self.dtype == torch.bfloat16 and self.device.type == "cpu"
-                          and c.intermediate_size % 16 == 0)
+        self._kernels = native.library() is not None  # SiLU-gating on dspark's kernel (layers.silu_gate)
         self.eos = set(c.eos_token_ids)
 
     # ---- one layer -----------------------------------------------------------------------------
@@ -106,12 +105,8 @@ class DenseTarget:
         b, _, t, _ = att.shape
         x = x + layer.o(att.transpose(1, 2).reshape(b, t, self.h * self.hd))
         gu = layer.gate_up(_rows(layer.norm2, x))
-        if self._silu_mul:  # one kernel pass (models/native.py) where silu(gate) * up are two over big tensors
-            act = native.silu_mul(native.loaded(), gu.view(-1, gu.shape[-1])).view(*gu.shape[:-1], -1)
-        else:
-            gate, up = gu.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-        return x + layer.down(act)
+        act = silu_gate(gu.reshape(-1, gu.shape[-1]), self._kernels)  # as rows: one kernel pass where it runs
+        return x + layer.down(act.view(*gu.shape[:-1], -1))
 
     # ---- teacher-forced ------------------------------------------------------------------------
     @torch.no_grad()

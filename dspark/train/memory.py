@@ -24,14 +24,13 @@ import os
 
 ENV = "DSPARK_KEEP_FREED_MEMORY"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
-_done = False
-_libc: ctypes.CDLL | None = None
+_libc: ctypes.CDLL | None = None  # set once the thresholds are raised
 
 
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process (once); whether they were raised."""
-    global _done, _libc
-    if _done:
+    global _libc
+    if _libc is not None:
         return True
     if os.environ.get(ENV, "1") == "0":
         return False
@@ -42,9 +41,9 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # 1 GiB: the largest block mallopt's int takes comfortably; a larger one still gets its own mapping
-    _done = bool(mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-    _libc = libc if _done else None
-    return _done
+    if mallopt(_M_MMAP_THRESHOLD, 1 << 30) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1):
+        _libc = libc
+    return _libc is not None
 
 
 def release_freed_memory() -> None:
