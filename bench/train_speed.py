@@ -1,9 +1,12 @@
 """Training throughput: the same optimizer steps of a `dspark train` recipe run on each route, interleaved
 step by step in one process so host drift hits both alike, with where a step's time goes.
 
-Routes: "kernels" (the vocabulary-sized losses, their gradient and the target's soft labels on dspark's
-kernels, models/csrc/vocab_loss.c; the dense target's SiLU-gating and norms too) and "torch" (PyTorch ops
-alone). Each step index runs once per route on the same sequences and anchors (the weights move on
+Routes: "kernels" (the trainer as it ships: the vocabulary-sized losses, their gradient and the target's
+soft labels on dspark's kernels, models/csrc/vocab_loss.c; the dense target's SiLU-gating and norms too;
+the target pass over each micro-batch's sequences packed without padding), "torch" (PyTorch ops alone)
+and "padded" (kernels, but the target pass over the micro-batch right-padded to its longest sequence, as
+the trainer ran before packing; its rows are then gathered back, an extra copy of well under 1% of a
+step). Each step index runs once per route on the same sequences and anchors (the weights move on
 between them, which changes no shape). Training tokens are the target tokens a step reads, the trainer's
 own tokens/s. Needs a data directory made by `dspark train-data` (docs/training.md).
 
@@ -20,6 +23,8 @@ import sys
 import time
 from contextlib import contextmanager
 
+import torch
+
 from dspark.models import native
 from dspark.train import trainer as trainer_mod
 from dspark.train.config import add_train_args, config_from_args
@@ -34,6 +39,8 @@ DEFAULTS = ("--init-from dspark/checkpoints/smollm2-135m-dspark --num-layers 2 -
 @contextmanager
 def route(name: str, trainer):
     """The training step's vocabulary-sized work and the dense target's pointwise ops on `name`."""
+    if name == "padded":
+        trainer.target.forward_packed = _padded_pass(trainer.target)  # an instance attribute over the method
     saved = os.environ.get(native.ENV)
     if name == "torch":
         os.environ[native.ENV] = "torch"
@@ -47,6 +54,7 @@ def route(name: str, trainer):
     try:
         yield
     finally:
+        trainer.target.__dict__.pop("forward_packed", None)
         trainer.target._kernels = silu
         for m, k in norms:
             m._kernels = k
@@ -54,6 +62,16 @@ def route(name: str, trainer):
             os.environ.pop(native.ENV, None)
         else:
             os.environ[native.ENV] = saved
+
+
+def _padded_pass(target):
+    """forward_packed's contract on the padded pass: right-pad, run [B, S], keep each sequence's rows."""
+    def forward(seqs, hidden_layers=()):
+        ids = torch.nn.utils.rnn.pad_sequence([s.to(target.device) for s in seqs], batch_first=True)
+        hidden, final = target.forward(ids, hidden_layers=hidden_layers)
+        keep = torch.cat([torch.arange(len(s)) + i * ids.shape[1] for i, s in enumerate(seqs)]).to(ids.device)
+        return None if hidden is None else hidden.flatten(0, 1)[keep], final.flatten(0, 1)[keep]
+    return forward
 
 
 def _rss_gb() -> float:
@@ -68,7 +86,7 @@ def _rss_gb() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="steps timed per route (after one warm-up step each)")
-    ap.add_argument("--routes", default="kernels,torch")
+    ap.add_argument("--routes", default="kernels,torch", help="comma-separated: kernels, torch, padded")
     ap.add_argument("--json", default=None)
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `dspark train` options (--data ...)")
     args = ap.parse_args()
@@ -77,7 +95,10 @@ def main() -> None:
     add_train_args(tp)
     cfg = config_from_args(tp.parse_args(DEFAULTS + ["--run-dir", "/tmp/dspark-train-speed"] + rest))
     routes = args.routes.split(",")
-    if "kernels" in routes and native.library() is None:
+    unknown = set(routes) - {"kernels", "torch", "padded"}
+    if unknown:
+        sys.exit(f"unknown --routes {sorted(unknown)}: pick from kernels, torch, padded")
+    if {"kernels", "padded"} & set(routes) and native.library() is None:
         sys.exit(f"dspark's kernels do not run here: {native.why()}")
     tr = trainer_mod.Trainer(cfg)
 

@@ -34,6 +34,22 @@ def test_right_padding_never_changes_earlier_positions(tiny_llama_dir):
     torch.testing.assert_close(with_pad[:, :9], alone, atol=1e-5, rtol=1e-5)
 
 
+def test_packed_pass_equals_each_sequence_alone(tiny_llama_dir):
+    """forward_packed over sequences of several lengths, end to end without padding: each sequence's rows
+    are its own pass (attention never crosses into a neighbour, positions restart at 0)."""
+    target = DenseTarget(load_decoder(tiny_llama_dir, quantization="none"))
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 400, (n,), generator=g) for n in (9, 1, 14, 5)]
+    hidden, final = target.forward_packed(seqs, hidden_layers=(0, 1))
+    assert hidden.shape[0] == final.shape[0] == sum(len(s) for s in seqs)
+    start = 0
+    for s in seqs:
+        h, f = target.forward(s.view(1, -1), hidden_layers=(0, 1))
+        torch.testing.assert_close(hidden[start:start + len(s)], h[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final[start:start + len(s)], f[0], atol=1e-5, rtol=1e-5)
+        start += len(s)
+
+
 def test_greedy_generation_matches_the_engine(tiny_llama_dir, prompts):
     from dspark import LLM, SamplingParams
 

@@ -314,8 +314,8 @@ def test_feature_cache_trains_the_same_weights(tiny_setup, tmp_path):
     plain.fit()
     cached = Trainer(_cfg(model, data, tmp_path / "b", steps=8, micro_tokens=64, feature_cache_gb=1.0))
     passes = []
-    forward = cached.target.forward
-    cached.target.forward = lambda *a, **k: passes.append(cached.step) or forward(*a, **k)
+    forward = cached.target.forward_packed
+    cached.target.forward_packed = lambda *a, **k: passes.append(cached.step) or forward(*a, **k)
     cached.fit()
     assert passes and max(passes) < 4 and len(cached.feature_cache.items) == 16
     for k, v in _params(plain).items():

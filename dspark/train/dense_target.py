@@ -5,8 +5,9 @@ The engine's decoder is built for serving: a paged cache, 4-bit weights that are
 and fp32 attention that keeps every row bit-identical whatever the window. Training wants the opposite
 trade: thousands of rows per call, no cache between calls. DenseTarget takes the served model's weights
 (the GGUF's 4-bit groups dequantised to bf16: the same values up to bf16 rounding of the group scales),
-packs every linear once for oneDNN, and runs causal SDPA over right-padded [B, S] batches, where padding
-at the end never changes an earlier position. `agreement()` measures how often its argmax equals the
+packs every linear once for oneDNN, and runs causal SDPA: forward_packed() over sequences packed end to
+end without padding (the training pass), forward() over right-padded [B, S] batches, where padding at the
+end never changes an earlier position (generation's prefill). `agreement()` measures how often its argmax equals the
 served path's, the figure a drafter trained on it is judged by.
 """
 from __future__ import annotations
@@ -128,6 +129,36 @@ class DenseTarget:
                 taps[i] = x
         hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1) if hidden_layers else None
         return hidden, _rows(self.norm, x)
+
+    @torch.no_grad()
+    def forward_packed(self, seqs: Sequence[torch.Tensor],
+                       hidden_layers: Sequence[int] = ()) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Sequences ids [L_i] packed end to end as rows, with no padding -> (chosen layers' outputs
+        [sum L_i, m*d] or None, final-normed hidden [sum L_i, d]), each sequence's rows in turn.
+
+        The linears, norms and MLPs run once over all rows; attention runs causally within each sequence.
+        A micro-batch of mixed lengths padded to its longest spends about a third of its rows on padding,
+        and the linears are most of the pass."""
+        lengths = [len(s) for s in seqs]
+        ids = torch.cat(list(seqs)).to(self.device)
+        x = self.embed[ids].unsqueeze(0)  # [1, N, d]
+        pos = torch.cat([torch.arange(n, device=ids.device) for n in lengths]).unsqueeze(0)
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        taps = {}
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, pos)  # [1, H or Hkv, N, hd]
+            att = q.new_empty(1, ids.numel(), self.h, self.hd)  # token-major, as _finish reads it
+            for a, b in zip(starts, starts[1:]):
+                att[:, a:b].copy_(F.scaled_dot_product_attention(
+                    q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                    enable_gqa=self.hkv != self.h).transpose(1, 2))
+            x = self._finish(layer, x, att.transpose(1, 2))
+            if i in hidden_layers:
+                taps[i] = x[0]
+        hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+        return hidden, _rows(self.norm, x[0])
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., d] -> logits [..., V] in the model dtype."""

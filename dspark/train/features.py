@@ -47,10 +47,11 @@ class FeatureCache:
 @torch.no_grad()
 def target_batch(target, seqs: Sequence[tuple[torch.Tensor, torch.Tensor]], layers: Sequence[int],
                  cache: FeatureCache | None = None, keys: Sequence[int] | None = None) -> TargetBatch:
-    """Teacher-forced dense pass over (ids [L], loss_mask [L]) pairs, right-padded into one batch. With
-    a cache (and one key per sequence), a batch whose sequences are all cached skips the pass; positions
-    past a sequence's length are then zeros instead of the pass over padding (nothing reads them: the
-    pass is causal and the drafter attends only to context before its anchors)."""
+    """Teacher-forced target pass over (ids [L], loss_mask [L]) pairs, right-padded into one batch. The
+    pass runs on the sequences packed end to end without padding (DenseTarget.forward_packed); with a
+    cache (and one key per sequence), a batch whose sequences are all cached skips it. Positions past a
+    sequence's length are zeros (nothing reads them: the drafter attends only to context before its
+    anchors)."""
     s = max(len(ids) for ids, _ in seqs)
     ids = torch.zeros(len(seqs), s, dtype=torch.long)
     mask = torch.zeros(len(seqs), s, dtype=torch.bool)
@@ -64,7 +65,13 @@ def target_batch(target, seqs: Sequence[tuple[torch.Tensor, torch.Tensor]], laye
         for i, (h, f) in enumerate(found):
             hidden[i, :len(h)], final[i, :len(f)] = h, f
         return TargetBatch(ids, mask, hidden, final)
-    hidden, final = target.forward(ids, hidden_layers=tuple(layers))
+    rows_h, rows_f = target.forward_packed([x for x, _ in seqs], hidden_layers=tuple(layers))  # no padding
+    hidden = rows_h.new_zeros(len(seqs), s, rows_h.shape[-1])
+    final = rows_f.new_zeros(len(seqs), s, rows_f.shape[-1])
+    start = 0
+    for i, (x, _) in enumerate(seqs):
+        hidden[i, :len(x)], final[i, :len(x)] = rows_h[start:start + len(x)], rows_f[start:start + len(x)]
+        start += len(x)
     if cache is not None and keys is not None:
         for i, ((x, _), k) in enumerate(zip(seqs, keys)):
             cache.put(k, hidden[i, :len(x)], final[i, :len(x)])
