@@ -5,6 +5,9 @@ tokens for the two engine rows (speculation is lossless); the dense pass differs
 4-bit target in a few percent of tokens.
 
     .venv/bin/python bench/datagen_speed.py [--prompts 64] [--max-tokens 320] [--rounds 2] [--json OUT]
+
+Generators: dense, dense:sdpa (the dense pass with its decode attention on PyTorch's SDPA instead of
+dspark's kernel), engine, engine:QUANT (engine with --quantization QUANT), engine+ALGO (speculative).
 """
 from __future__ import annotations
 
@@ -34,8 +37,10 @@ def main() -> None:
     names = args.generators.split(",")
     targets = {}
     for name in names:
-        if name == "dense":
+        if name in ("dense", "dense:sdpa"):
             targets[name] = load_dense_target(None)[0]
+            if name == "dense:sdpa":
+                targets[name]._decode_kernel = lambda kv: None
         else:
             base, _, spec = name.partition("+")
             quant = base.partition(":")[2] or "auto"
@@ -62,6 +67,9 @@ def main() -> None:
     engines = [n for n in names if n.startswith("engine") and ":" not in n]
     if len(engines) > 1:
         report["engine_answers_equal"] = all(answers[n] == answers[engines[0]] for n in engines)
+    if "dense" in answers and "dense:sdpa" in answers:
+        a, b = answers["dense"], answers["dense:sdpa"]
+        report["dense_equal_to_dense_sdpa"] = sum(x == y for x, y in zip(a, b)) / len(a)
     if "dense" in answers and engines:
         a, b = answers["dense"], answers[engines[0]]
         report["dense_equal_to_engine"] = sum(x == y for x, y in zip(a, b)) / len(a)

@@ -63,6 +63,19 @@ def test_greedy_generation_matches_the_engine(tiny_llama_dir, prompts):
     assert all(g.finish_reason == "length" for g in got)
 
 
+def test_bf16_generation_on_the_decode_kernel_matches_sdpa(tiny_llama_dir, prompts, monkeypatch):
+    """In bf16 on a CPU where dspark's kernels run, decode attention is the kernel's: the tokens are those
+    of the SDPA route (the tiny model's margins are far wider than bf16 rounding)."""
+    target = DenseTarget(load_decoder(tiny_llama_dir, dtype=torch.bfloat16, quantization="none"))
+    target.eos = set()
+    if target._decode_kernel(torch.zeros(1, dtype=torch.bfloat16)) is None:
+        pytest.skip("decode attention runs on SDPA here")
+    kernel = target.generate(prompts, max_tokens=10, batch=3)
+    monkeypatch.setattr(target, "_decode_kernel", lambda kv: None)
+    sdpa = target.generate(prompts, max_tokens=10, batch=3)
+    assert [g.tokens for g in kernel] == [g.tokens for g in sdpa]
+
+
 def test_sampled_generation_is_reproducible(tiny_llama_dir, prompts):
     target = DenseTarget(load_decoder(tiny_llama_dir, quantization="none"))
     a = target.generate(prompts, max_tokens=6, temperature=0.7, top_p=0.8, top_k=20, seed=5, batch=3)

@@ -128,6 +128,26 @@ def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedd
     assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_decode_attention_bf16_matches_sdpa_per_slot(head_dim):
+    """The generator's decode attention: each row over its own cache slot's first lengths[r] keys (GQA),
+    as masked SDPA computes it; a subset of rows gets the same values; a row with no keys gets zeros."""
+    g = torch.Generator().manual_seed(0)
+    slots_n, h, hkv, cap = 6, 6, 2, 70
+    kv = torch.randn(2, slots_n, hkv, cap, head_dim, generator=g).bfloat16()
+    q = torch.randn(4, h, head_dim, generator=g).bfloat16()
+    slots, lengths = torch.tensor([5, 0, 3, 2]), torch.tensor([70, 1, 33, 0])
+    got = native.decode_attention_bf16(lib, q, kv[0], kv[1], slots, lengths)
+    for r in range(3):
+        n = int(lengths[r])
+        k, v = kv[0, slots[r], :, :n].float(), kv[1, slots[r], :, :n].float()
+        want = F.scaled_dot_product_attention(q[r].float().unsqueeze(1), k, v, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(got[r].float(), want, atol=1e-2, rtol=1e-2)
+    assert got[3].abs().max() == 0
+    alone = native.decode_attention_bf16(lib, q[2:3], kv[0], kv[1], slots[2:3], lengths[2:3])
+    assert torch.equal(alone, got[2:3])
+
+
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv(native.ENV, "torch")
     assert native.library() is None

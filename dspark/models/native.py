@@ -68,6 +68,8 @@ SIGNATURES = {
     "dspark_q8_vnni_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT, _PTR, _PTR, _PTR, _INT],
     "dspark_attention": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _I64,
                          _I64, _I64, _I64, _I64, _I64, _I64, _INT],
+    "dspark_decode_attention_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                                     _I64, _F32, _INT],
     "dspark_add_rmsnorm": [_PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],
     "dspark_silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
     "dspark_rope_store": [_PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT],
@@ -309,6 +311,21 @@ def attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                          k.stride(0), k.stride(1), mask.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
                          out.stride(0), out.stride(2), out.stride(1), b, h, k.shape[0], nq, k.shape[2], hd, _threads())
     return out.transpose(1, 2)
+
+
+def decode_attention_bf16(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                          lengths: torch.Tensor) -> torch.Tensor:
+    """One query per row: q [R, H, hd] bf16 (rows of H * hd) over the first lengths[r] keys / values of cache
+    slot slots[r], k / v [slots, Hkv, S, hd] bf16 with rows of hd (any slot and head strides) -> [R, H, hd]
+    bf16. Query heads are grouped over KV heads as in GQA; scaled by 1/sqrt(hd)."""
+    r, h, hd = q.shape
+    q = q if q.stride(-1) == 1 and q.stride(-2) == hd else q.contiguous()
+    slots, lengths = slots.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+    out = torch.empty(r, h, hd, dtype=torch.bfloat16)
+    lib.dspark_decode_attention_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+                                     slots.data_ptr(), lengths.data_ptr(), out.data_ptr(), r, h, k.shape[1],
+                                     k.shape[2], hd, hd ** -0.5, _threads())
+    return out
 
 
 def attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:

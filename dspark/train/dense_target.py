@@ -247,15 +247,18 @@ class DenseTarget:
         pos = lengths[idx].to(self.device)  # [A] position of the token being fed
         span = int(pos.max()) + 1
         x = self.embed[last[idx]].unsqueeze(1)  # [A, 1, d]
-        hidden = (torch.arange(span, device=self.device) > pos.unsqueeze(1)).view(len(active), 1, 1, span)
-        # Past half the slots, attend from every slot's view of the cache (no copy) and keep the active
-        # rows; below it, gather the active slots' K/V (a copy, cheaper than attending for idle slots).
-        every = len(active) == kv.shape[2]  # all slots busy (most steps): no scatter or gather of rows at all
-        full = 2 * len(active) > kv.shape[2]
-        if full and not every:
-            hidden = torch.ones(kv.shape[2], 1, 1, span, dtype=torch.bool, device=self.device).index_copy_(
-                0, idx, hidden)
-            hidden[..., 0] = False  # idle slots see key 0 (active ones always do): no all-masked NaN rows
+        lib = self._decode_kernel(kv)
+        every = full = False
+        if lib is None:  # SDPA over a span masked per slot
+            hidden = (torch.arange(span, device=self.device) > pos.unsqueeze(1)).view(len(active), 1, 1, span)
+            # Past half the slots, attend from every slot's view of the cache (no copy) and keep the active
+            # rows; below it, gather the active slots' K/V (a copy, cheaper than attending for idle slots).
+            every = len(active) == kv.shape[2]  # all slots busy (most steps): no scatter or gather of rows
+            full = 2 * len(active) > kv.shape[2]
+            if full and not every:
+                hidden = torch.ones(kv.shape[2], 1, 1, span, dtype=torch.bool, device=self.device).index_copy_(
+                    0, idx, hidden)
+                hidden[..., 0] = False  # idle slots see key 0 (active ones always do): no all-masked NaN rows
         # each new key's row in a layer's cache seen as [slots * Hkv * max_len, hd]: one index_copy_ a write
         rows = ((idx.unsqueeze(1) * self.hkv + torch.arange(self.hkv, device=self.device)) * kv.shape[4]
                 + pos.unsqueeze(1)).reshape(-1)
@@ -263,7 +266,10 @@ class DenseTarget:
             q, k, v = self._qkv(layer, x, pos.unsqueeze(1))
             kv[i, 0].view(-1, self.hd).index_copy_(0, rows, k[:, :, 0].reshape(-1, self.hd))
             kv[i, 1].view(-1, self.hd).index_copy_(0, rows, v[:, :, 0].reshape(-1, self.hd))
-            if every:
+            if lib is not None:  # each row reads its own slot's keys up to its length: no mask, span or gather
+                att = native.decode_attention_bf16(lib, q[:, :, 0], kv[i, 0], kv[i, 1], idx, pos + 1)
+                att = att.view(len(active), 1, self.h, self.hd).transpose(1, 2)
+            elif every:
                 att = self._decode_attention(q, kv[i, 0, :, :, :span], kv[i, 1, :, :, :span], hidden)
             elif full:
                 qa = q.new_zeros(kv.shape[2], *q.shape[1:]).index_copy_(0, idx, q)
@@ -272,6 +278,12 @@ class DenseTarget:
                 att = self._decode_attention(q, kv[i, 0, idx, :, :span], kv[i, 1, idx, :, :span], hidden)
             x = self._finish(layer, x, att)
         return _pick(self.logits(self.norm(x[:, 0])).float(), temperature, top_p, top_k, gen)
+
+    def _decode_kernel(self, kv: torch.Tensor):
+        """dspark's kernel library where decode attention runs on it (a bf16 cache on a CPU), else None."""
+        if self.dtype != torch.bfloat16 or kv.device.type != "cpu" or self.hd % 16 or self.hd > 256:
+            return None
+        return native.library()
 
     def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
                           hidden: torch.Tensor) -> torch.Tensor:

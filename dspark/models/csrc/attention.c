@@ -140,3 +140,87 @@ void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, con
         free(sc);
     }
 }
+
+/* One bf16 query row (scaled here by `scale`) over the first n keys / values of a bf16 cache (rows of hd),
+ * out bf16. Two passes over the keys' scores as in attend_row, without a mask: the keys past n are
+ * never read. */
+static void decode_row_bf16(const uint16_t *q, float scale, const uint16_t *k, const uint16_t *v, int64_t n,
+                            int64_t hd, uint16_t *out, float *sc, __m512i order) {
+    const int64_t nv = hd / 16;
+    __m512 qv[16], o[16];
+    for (int64_t j = 0; j < nv; j++) {
+        qv[j] = _mm512_mul_ps(bf16_load(q + 16 * j), _mm512_set1_ps(scale));
+        o[j] = _mm512_setzero_ps();
+    }
+    if (n <= 0) {
+        for (int64_t j = 0; j < nv; j++)
+            bf16_store(out + 16 * j, o[j]);
+        return;
+    }
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t s0 = 0; s0 < n; s0 += 16) {
+        const int64_t m = n - s0 < 16 ? n - s0 : 16;
+        __m512 acc[16];
+        for (int64_t i = 0; i < 16; i++) {
+            if (i >= m) {
+                acc[i] = _mm512_setzero_ps();
+                continue;
+            }
+            const uint16_t *ks = k + (s0 + i) * hd;
+            acc[i] = _mm512_mul_ps(qv[0], bf16_load(ks));
+            for (int64_t j = 1; j < nv; j++)
+                acc[i] = _mm512_fmadd_ps(qv[j], bf16_load(ks + 16 * j), acc[i]);
+        }
+        const __mmask16 live = (__mmask16)((1u << m) - 1);
+        const __m512 dots = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                               _mm512_permutexvar_ps(order, sum16(acc)));
+        _mm512_storeu_ps(sc + s0, dots);  /* sc has 16 floats of slack */
+        vmax = _mm512_max_ps(vmax, dots);
+    }
+    const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t s0 = 0; s0 < n; s0 += 16) {
+        const int64_t m = n - s0 < 16 ? n - s0 : 16;
+        const __mmask16 live = (__mmask16)((1u << m) - 1);
+        const __m512 p = _mm512_maskz_mov_ps(live, exp_clamped(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + s0), vmx)));
+        _mm512_storeu_ps(sc + s0, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    for (int64_t s = 0; s < n; s++) {
+        const __m512 p = _mm512_set1_ps(sc[s]);
+        const uint16_t *vs = v + s * hd;
+        for (int64_t j = 0; j < nv; j++)
+            o[j] = _mm512_fmadd_ps(p, bf16_load(vs + 16 * j), o[j]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int64_t j = 0; j < nv; j++)
+        bf16_store(out + 16 * j, _mm512_mul_ps(o[j], inv));
+}
+
+/* Decode attention of a batched generator over a static bf16 cache: row r's H query heads (q + r * qsr +
+ * h * hd) attend over the first lengths[r] keys and values of cache slot slots[r] (kv head j of slot s
+ * at k / v + s * ksb + j * ksh, rows of hd); out [R, H, hd] bf16. The query heads of one KV head run in
+ * turn, so its keys and values are read from memory once. Not bit-stable across shapes (the serving
+ * path's attention above is); the training data generator uses it. hd a multiple of 16, at most 256. */
+void dspark_decode_attention_bf16(const uint16_t *q, int64_t qsr, const uint16_t *k, const uint16_t *v,
+                                  int64_t ksb, int64_t ksh, const int64_t *slots, const int64_t *lengths,
+                                  uint16_t *out, int64_t rows, int64_t h_len, int64_t hkv, int64_t s_max,
+                                  int64_t hd, float scale, int threads) {
+    const int64_t group = h_len / hkv;
+    const __m512i order = key_order();
+#pragma omp parallel num_threads(threads)
+    {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(s_max + 16));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t rj = 0; rj < rows * hkv; rj++) {
+            const int64_t r = rj / hkv, j = rj % hkv;
+            const int64_t off = slots[r] * ksb + j * ksh;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t h = j * group + g;
+                decode_row_bf16(q + r * qsr + h * hd, scale, k + off, v + off, lengths[r], hd,
+                                out + (r * h_len + h) * hd, sc, order);
+            }
+        }
+        free(sc);
+    }
+}
