@@ -238,7 +238,7 @@ class DenseTarget:
         for j, slot in enumerate(slots):
             lengths[slot] = n[j]
         last_h = torch.stack([x for _, x in sorted(last_h, key=lambda e: e[0])])
-        return _pick(self.logits(last_h).float(), temperature, top_p, top_k, gen)
+        return _pick(self.logits(last_h), temperature, top_p, top_k, gen)
 
     def _decode(self, kv, last: torch.Tensor, lengths: torch.Tensor, active: list[int],
                 temperature, top_p, top_k, gen) -> torch.Tensor:
@@ -277,7 +277,7 @@ class DenseTarget:
             else:
                 att = self._decode_attention(q, kv[i, 0, idx, :, :span], kv[i, 1, idx, :, :span], hidden)
             x = self._finish(layer, x, att)
-        return _pick(self.logits(self.norm(x[:, 0])).float(), temperature, top_p, top_k, gen)
+        return _pick(self.logits(self.norm(x[:, 0])), temperature, top_p, top_k, gen)
 
     def _decode_kernel(self, kv: torch.Tensor):
         """dspark's kernel library where decode attention runs on it (a bf16 cache on a CPU), else None."""
@@ -337,10 +337,11 @@ def _length_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[i
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
           gen: torch.Generator) -> torch.Tensor:
-    """Next token per row of logits [R, V]: argmax, or a sample of the warped distribution."""
+    """Next token per row of logits [R, V] (the model's dtype): argmax, or a sample of the warped fp32
+    distribution. The argmax reads the logits as they are: an fp32 copy would pick the same token."""
     if temperature <= 0:
         return logits.argmax(-1)
     from dspark.sampling.sampler import warp_probs
 
-    probs = warp_probs(logits, temperature, top_k, top_p)
+    probs = warp_probs(logits.float(), temperature, top_k, top_p)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
