@@ -60,22 +60,22 @@ def target_batch(target, seqs: Sequence[tuple[torch.Tensor, torch.Tensor]], laye
     ids, mask = ids.to(target.device), mask.to(target.device)
     found = [cache.get(k) for k in keys] if cache is not None and keys is not None else [None]
     if all(f is not None for f in found):
-        hidden = torch.zeros(len(seqs), s, found[0][0].shape[-1], dtype=found[0][0].dtype, device=target.device)
-        final = torch.zeros(len(seqs), s, found[0][1].shape[-1], dtype=found[0][1].dtype, device=target.device)
-        for i, (h, f) in enumerate(found):
-            hidden[i, :len(h)], final[i, :len(f)] = h, f
-        return TargetBatch(ids, mask, hidden, final)
+        return TargetBatch(ids, mask, _padded([h for h, _ in found], s), _padded([f for _, f in found], s))
+    lengths = [len(x) for x, _ in seqs]
     rows_h, rows_f = target.forward_packed([x for x, _ in seqs], hidden_layers=tuple(layers))  # no padding
-    hidden = rows_h.new_zeros(len(seqs), s, rows_h.shape[-1])
-    final = rows_f.new_zeros(len(seqs), s, rows_f.shape[-1])
-    start = 0
-    for i, (x, _) in enumerate(seqs):
-        hidden[i, :len(x)], final[i, :len(x)] = rows_h[start:start + len(x)], rows_f[start:start + len(x)]
-        start += len(x)
+    per_h, per_f = rows_h.split(lengths), rows_f.split(lengths)
     if cache is not None and keys is not None:
-        for i, ((x, _), k) in enumerate(zip(seqs, keys)):
-            cache.put(k, hidden[i, :len(x)], final[i, :len(x)])
-    return TargetBatch(ids, mask, hidden, final)
+        for h, f, k in zip(per_h, per_f, keys):
+            cache.put(k, h, f)
+    return TargetBatch(ids, mask, _padded(per_h, s), _padded(per_f, s))
+
+
+def _padded(rows: Sequence[torch.Tensor], s: int) -> torch.Tensor:
+    """Per-sequence rows [L_i, D] -> [B, s, D], zeros past each sequence's length."""
+    out = rows[0].new_zeros(len(rows), s, rows[0].shape[-1])
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
 
 
 @torch.no_grad()
