@@ -245,11 +245,11 @@ class DenseTarget:
         """One token for each active slot: write its K/V at its length, attend over its cache."""
         idx = torch.as_tensor(active, device=self.device)
         pos = lengths[idx].to(self.device)  # [A] position of the token being fed
-        span = int(pos.max()) + 1
         x = self.embed[last[idx]].unsqueeze(1)  # [A, 1, d]
         lib = self._decode_kernel(kv)
         every = full = False
         if lib is None:  # SDPA over a span masked per slot
+            span = int(pos.max()) + 1
             hidden = (torch.arange(span, device=self.device) > pos.unsqueeze(1)).view(len(active), 1, 1, span)
             # Past half the slots, attend from every slot's view of the cache (no copy) and keep the active
             # rows; below it, gather the active slots' K/V (a copy, cheaper than attending for idle slots).
