@@ -2,7 +2,8 @@
 dspark's engine in fp32, in bf16 with packed weights, and in bf16 with the model's own 4-bit weights
 (the GGUF's Q4_1 groups through dspark's own kernels on 8-bit activations, which is what dtype/quantization
 "auto" picks on AVX-512-bf16 + VNNI CPUs, on bf16 activations (DSPARK_INT8_ACTIVATIONS=0), on AMX tiles
-where the CPU has them (DSPARK_AMX=1), and through PyTorch's kernels alone) vs transformers' generate() in
+where the CPU has them (DSPARK_AMX=1), and through PyTorch's kernels alone), in fp32 with the 4-bit weights
+on the AVX2 kernels (what "auto" picks on CPUs without AVX-512-bf16) vs transformers' generate() in
 fp32 (its fastest CPU setting), plus the memory roofline per format (weight bytes / measured read
 bandwidth). Where `make llamacpp` has built llama.cpp, its `llama-bench` decodes the same GGUF on the same
 threads (tg: no prompt, --tokens new tokens) in the same interleaved rounds.
@@ -25,8 +26,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark import LLM, SamplingParams
 from dspark.bench.roofline import ceiling_tokens_per_s, read_bandwidth_gbs, weight_bytes
-from dspark.models import native
+from dspark.models import native, native_avx2
 from dspark.models.embedded import dspark_home, find_gguf
+from dspark.models.loader import resolve_dtype
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -75,6 +77,8 @@ def main() -> None:
         os.environ[native.ENV] = "torch"
         engines["bfloat16_int4_torch_kernels"] = LLM(dtype="bfloat16", quantization="int4")
         del os.environ[native.ENV]
+    if native_avx2.library() is not None:  # fp32 rows on the AVX2 kernels (the default where AVX-512 is missing)
+        engines["float32_int4"] = LLM(dtype="float32", quantization="int4")
     path = engines["float32"].model_path
     tok = AutoTokenizer.from_pretrained(str(path))
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -94,6 +98,8 @@ def main() -> None:
     bw = read_bandwidth_gbs()
     ref = statistics.median(speeds["transformers_float32"])
     result = {"threads": torch.get_num_threads(), "tokens": args.tokens, "prompt_tokens": len(prompt_ids),
+              "auto_dtype": str(resolve_dtype("auto")).removeprefix("torch."),
+              "weight_formats": {f"dspark_{k}": llm.decoder.weight_format for k, llm in engines.items()},
               "read_bandwidth_gb_s": round(bw, 2),
               "tokens_per_s": {k: [round(x, 2) for x in v] for k, v in speeds.items()},
               "median_tokens_per_s": {k: round(statistics.median(v), 2) for k, v in speeds.items()},

@@ -45,7 +45,7 @@ def register(sub) -> None:
 
 
 def prepare(args) -> int:
-    from dspark.models import native
+    from dspark.models import native, native_avx2
     from dspark.models.embedded import ensure_embedded_model
 
     print(ensure_embedded_model())
@@ -53,6 +53,8 @@ def prepare(args) -> int:
     print("dspark kernels:", ("built" + (", matmuls on AMX tiles" if native.amx() else "")
                               + (", 4-bit matmuls on 8-bit activations" if native.act8() else ""))
           if native.library() is not None else f"not used ({native.why()})")
+    print("dspark AVX2 kernels (fp32 models):", "built" if native_avx2.library() is not None
+          else f"not used ({native_avx2.why()})")
     return 0
 
 

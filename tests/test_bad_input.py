@@ -66,7 +66,7 @@ def test_cli_reports_errors_without_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [(["--quantization", "int3"], "invalid choice"),
-                                           (["--quantization", "int4", "--dtype", "float32"], "needs dtype bfloat16")])
+                                           (["--quantization", "int4", "--dtype", "float16"], "needs dtype bfloat16")])
 def test_cli_rejects_bad_quantization(flags, message):
     r = subprocess.run([sys.executable, "-m", "dspark.cli", "generate", *flags, "hi"],
                        capture_output=True, text=True, timeout=120)

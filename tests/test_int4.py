@@ -81,7 +81,7 @@ def test_loader_quantization_choices(tiny_llama_dir):
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_decoder(tiny_llama_dir, quantization="int3")
     with pytest.raises(ValueError, match="needs dtype bfloat16"):
-        load_decoder(tiny_llama_dir, dtype=torch.float32, quantization="int4")
+        load_decoder(tiny_llama_dir, dtype=torch.float16, quantization="int4")
     # random weights are not 4-bit groups: "auto" leaves them alone
     assert load_decoder(tiny_llama_dir, dtype=torch.bfloat16, pack=True, quantization="auto").quantization == "none"
 
@@ -124,7 +124,7 @@ def test_embedded_model_runs_its_4bit_weights_and_rows_do_not_depend_on_window_o
 @needs_int4
 def test_speculative_decoding_is_lossless_on_the_4bit_embedded_model(embedded_llm):
     # bf16 (where the 4-bit layers run) is the default only on CPUs with fast bf16: ask for it by name
-    plain_llm = (embedded_llm if embedded_llm.decoder.quantization == "int4"
+    plain_llm = (embedded_llm if embedded_llm.decoder.weight_format.startswith("bfloat16/int4")
                  else LLM(dtype="bfloat16", profile_progress=False))
     assert plain_llm.decoder.quantization == "int4"
     spec = LLM(dtype="bfloat16", speculative_algorithm="DSPARK", planner="fixed", profile_progress=False)

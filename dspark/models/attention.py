@@ -1,4 +1,5 @@
-"""Attention over the paged cache, and a window-invariant variant for bf16 models on a CPU.
+"""Attention over the paged cache, and a window-invariant variant for CPU models whose rows must not depend on
+the window: bf16 models, and fp32 ones with 4-bit layers (Decoder.invariant).
 
 `F.scaled_dot_product_attention` is exact enough in fp32, but its result for one query row depends
 slightly (1e-7) on how many other rows and keys share the call. Under bf16 weights the next layer
@@ -13,14 +14,15 @@ its length (Intel's MKL past ~384 keys, on AVX2-only AMD CPUs at any length), so
 pads the key axis 64 further would otherwise round differently.
 tests/test_packing.py checks the bit-identity, on the embedded model and on long contexts.
 Where dspark's kernels run (models/native.py), `invariant_attention` is one call of csrc/attention.c
-instead, which computes each row on its own and needs none of that padding.
+instead, which computes each row on its own and needs none of that padding; on CPUs with AVX2 but not those,
+one call of csrc/avx2_attention.c (models/native_avx2.py), which does the same in 8-lane vectors.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from dspark.models import native
+from dspark.models import native, native_avx2
 
 KV_ALIGN = 64  # key-axis padding the invariant path relies on (KVCache.kv_align)
 KV_CHUNK = KV_ALIGN  # keys per probs @ values product: every chunk the same length, whatever S is
@@ -47,6 +49,9 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     lib = native.library() if kernels is None else native.loaded() if kernels else None
     if lib is not None and native.attention_fits(q, k):
         return native.attention(lib, q, k, v, mask, out_dtype)
+    if (kernels is not False and lib is None and native_avx2.library() is not None
+            and native_avx2.attention_fits(q, k)):
+        return native_avx2.attention(q, k, v, mask).to(out_dtype)
     return _invariant_attention_torch(q, k, v, mask).to(out_dtype)
 
 

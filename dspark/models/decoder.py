@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dspark.cache import DEFAULT_BLOCK_SIZE, AttentionGroup, AttentionMetadata, KVCache
-from dspark.models import native
+from dspark.models import native, native_avx2
 from dspark.models.attention import KV_ALIGN, invariant_attention, sdpa_attention
 from dspark.models.config import ModelConfig
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
@@ -51,7 +51,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self._kernels = native.library() is not None
+        self._kernels = native.library() is not None or native_avx2.library() is not None  # attention's kernels
+        self.invariant = False  # the window-invariant attention even where the cache has the model's dtype (Decoder.invariant)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | KernelRope, kv_pool: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -91,7 +92,7 @@ class Attention(nn.Module):
         else:
             qp = q.new_zeros(b * g.max_q, h, self.hd).index_copy_(0, g.q_index, q)
             qp = qp.view(b, g.max_q, h, self.hd).transpose(1, 2)
-        if kv_pool.dtype != dt:
+        if kv_pool.dtype != dt or self.invariant:
             out = invariant_attention(qp, keys, vals, g.mask, kernels=self._kernels, out_dtype=dt)
         else:
             out = sdpa_attention(qp, keys, vals, g.mask).to(dt)
@@ -211,7 +212,15 @@ class Decoder(nn.Module):
         c = self.config
         return KVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                        num_blocks=num_blocks, block_size=block_size, dtype=self.kv_dtype, device=self.device,
-                       kv_align=KV_ALIGN if self.kv_dtype != self.dtype else 1)
+                       kv_align=KV_ALIGN if self.invariant else 1)
+
+    @property
+    def invariant(self) -> bool:
+        """Whether a position's logits are the same bits in any window or batch, which is what keeps speculative
+        verification token-identical to plain decoding: a CPU model in half precision (fp32 cache, window-invariant
+        attention) or with 4-bit layers (kernels that compute each row alone; attention as before). A dense fp32 model
+        is not: its matmuls' bits depend on the number of rows."""
+        return self.kv_dtype != self.dtype or self.quantization != "none"
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, *, logits_rows: torch.Tensor | None = None,

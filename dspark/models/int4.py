@@ -1,12 +1,14 @@
-"""4-bit weights, 32 per group, run with dspark's own CPU kernel (native.py, csrc/int4_mm.c) or PyTorch's
-(bf16 activations).
+"""4-bit weights, 32 per group, run with dspark's own CPU kernels (bf16 activations: native.py, csrc/int4_mm.c;
+fp32 activations on AVX2 CPUs: native_avx2.py, csrc/avx2_mm.c) or PyTorch's (bf16 activations).
 
 Why: at batch 1 a decode step reads every weight once, so its cost is the bytes read. The embedded
 target ships as a Q4_1 GGUF: its linear weights are 4-bit codes with a scale and a minimum per group of
 32 (w = d * q + m, q in 0..15). Kept in that form, a step reads a quarter of the bytes of bf16; the
 kernel decodes them on the fly. dspark's kernel (AVX-512 BF16 CPUs) decodes a tile once per call for
 all its rows, ~2x PyTorch's at any row count; PyTorch's (everywhere else) dequantizes once per few rows,
-so it is faster than packed bf16 only up to about 8 rows per call.
+so it is faster than packed bf16 only up to about 8 rows per call. On CPUs without AVX-512-bf16 the
+model runs in fp32 (bf16 arithmetic is slow there), and the AVX2 kernel takes its fp32 rows, rounded to
+8-bit groups as llama.cpp does, against the same codes (int4_kernel picks).
 
 `native_int4` recognises weights that already are 4-bit groups (as a GGUF Q4_1 file's are, after any
 conversion to fp32), so re-packing them loses nothing but the rounding of scales to bf16 (less than
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.models import native
+from dspark.models import native, native_avx2
 
 GROUP = 32  # GGUF Q4_0 / Q4_1 block size
 _LEVELS = 15
@@ -64,13 +66,14 @@ def _bf16_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).contiguous().view(torch.uint8)
 
 
-def pack_for_kernel(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+def pack_for_kernel(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor, quads: bool | None = None) -> torch.Tensor:
     """dspark's kernel layout (csrc/int4_mm.c) of codes [N, K] (0..15), step and minimum [N, K / 32]: per
     16 output columns and group, 256 bytes of codes, then 16 bf16 steps and 16 bf16 centres lo + 8 step.
-    The codes are interleaved by k-pairs for bf16 activations, by k-quads for 8-bit ones (native.act8())."""
+    The codes are interleaved by k-pairs for bf16 activations, by k-quads for 8-bit ones (`quads`; by
+    default what the AVX-512 kernels run now, native.act8(); the AVX2 kernel always takes quads)."""
     n, k = codes.shape
     nb, g = n // 16, k // GROUP
-    if native.act8():  # chunk c: q[col, 8c + i] low nibble, q[col, 8c + 4 + i] high, byte 4 col + i
+    if native.act8() if quads is None else quads:  # chunk c: q[col, 8c + i] low nibble, q[col, 8c + 4 + i] high, byte 4 col + i
         q = codes.to(torch.uint8).view(nb, 16, g, 4, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(nb, g, 4, 2, 64)
     else:  # chunk c: pair-vectors 2c (low nibbles) and 2c + 1 (high), element j = q[j / 2, 2p + j % 2]
         q = codes.to(torch.uint8).view(nb, 16, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 8, 2, 32)
@@ -80,27 +83,47 @@ def pack_for_kernel(codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor) -
     return torch.cat([packed_codes.reshape(nb, g, 256), d, z], dim=-1).contiguous().view(-1)
 
 
+def int4_kernel(dtype: torch.dtype, device: torch.device | str) -> str | None:
+    """Which 4-bit kernel runs rows of `dtype` here: "dspark" (bf16 rows, the AVX-512 kernels), "avx2" (fp32
+    rows, native_avx2), "torch" (bf16 rows, PyTorch's), or None."""
+    if torch.device(device).type != "cpu":
+        return None
+    if dtype == torch.bfloat16:
+        if native.library() is not None:
+            return "dspark"
+        return "torch" if int4_supported(device) else None
+    if dtype == torch.float32 and native_avx2.library() is not None:
+        return "avx2"
+    return None
+
+
 class Int4Linear(nn.Module):
-    """Inference-only stand-in for an `nn.Linear` with 4-bit grouped weights; bf16 in and out."""
+    """Inference-only stand-in for an `nn.Linear` with 4-bit grouped weights: bf16 in and out, or fp32 in and
+    out on the AVX2 kernel (dtype float32)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 fit: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None):
-        """fit: fit_int4(weight) when the caller already has it."""
+                 fit: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+                 dtype: torch.dtype = torch.bfloat16):
+        """fit: fit_int4(weight) when the caller already has it. dtype: the rows' (see int4_kernel)."""
         super().__init__()
         if not _shape_ok(weight):
             raise ValueError(f"int4 needs out_features % 16 == 0 and in_features % {GROUP} == 0, "
                              f"got {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
+        kernel = int4_kernel(dtype, "cpu")
+        if kernel is None:
+            raise ValueError(f"no 4-bit kernel takes {str(dtype).removeprefix('torch.')} rows here")
         codes, step, lo, _ = fit or fit_int4(weight)
-        self._native = native.library() is not None  # a bool: modules stay deep-copyable
-        if self._native:  # codes, scales and centres in one buffer (csrc/int4_mm.c)
-            self.packed, self.scale_zero = pack_for_kernel(codes, step, lo), None
+        self._kernel = kernel  # a str: modules stay deep-copyable
+        self._native = kernel == "dspark"
+        if kernel != "torch":  # codes, scales and centres in one buffer (csrc/int4_mm.c, csrc/avx2_mm.c)
+            self.packed, self.scale_zero = pack_for_kernel(codes, step, lo, quads=True if kernel == "avx2" else None), None
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
             # PyTorch's kernel decodes w = (q - 8) * scale + zero
             zero = lo + 8 * step
             self.scale_zero = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+        self.bias = None if bias is None else bias.detach().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2  # the decoder's case: no reshaping (a step makes ~120 of these calls)
@@ -109,6 +132,8 @@ class Int4Linear(nn.Module):
             return x.new_empty(*x.shape[:-1], self.out_features)
         if self._native:
             y = native.int4_mm(native.loaded(), rows.contiguous(), self.packed, self.out_features)
+        elif self._kernel == "avx2":
+            y = native_avx2.matmul(rows, self.packed, self.out_features, 4)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
         if self.bias is not None:
@@ -116,13 +141,14 @@ class Int4Linear(nn.Module):
         return y if flat else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "dspark" if self._native else "torch"
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}, {kernel} kernel"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}, "
+                f"{self._kernel} kernel")
 
 
-def quantize_linears_int4(module: nn.Module, skip: tuple[str, ...] = (), native_only: bool = False) -> int:
+def quantize_linears_int4(module: nn.Module, skip: tuple[str, ...] = (), native_only: bool = False,
+                          dtype: torch.dtype = torch.bfloat16) -> int:
     """Swap every `nn.Linear` under `module` (attribute names in `skip` excepted, and any whose shape
-    the kernel cannot take) for an Int4Linear. Returns the count. `native_only`: all or nothing, and
+    the kernel cannot take) for an Int4Linear taking `dtype` rows. Returns the count. `native_only`: all or nothing, and
     only if every such weight already is 4-bit groups (else everything is put back and 0 returned;
     the first weight that is not stops the scan, so a bf16 checkpoint costs one fit)."""
     swapped: list[tuple[nn.Module, str, nn.Linear]] = []
@@ -134,6 +160,6 @@ def quantize_linears_int4(module: nn.Module, skip: tuple[str, ...] = (), native_
                     for parent, name, linear in swapped:
                         setattr(parent, name, linear)
                     return 0
-                setattr(child, attr, Int4Linear(sub.weight, sub.bias, fit=fit))
+                setattr(child, attr, Int4Linear(sub.weight, sub.bias, fit=fit, dtype=dtype))
                 swapped.append((child, attr, sub))
     return len(swapped)

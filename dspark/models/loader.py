@@ -10,7 +10,7 @@ from safetensors import safe_open
 from dspark.models import native
 from dspark.models.config import ModelConfig
 from dspark.models.decoder import Decoder
-from dspark.models.int4 import int4_supported, quantize_linears_int4
+from dspark.models.int4 import int4_kernel, quantize_linears_int4
 from dspark.models.packing import pack_linears, packing_supported
 from dspark.models.q8 import Q8Linear, native_q8
 
@@ -53,6 +53,8 @@ def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device
     model.rotary = type(model.rotary)(torch.tensor(cfg.inv_freq), cfg.rope_scale, 4096)
     model.quantization = _apply_quantization(quantization, model, dtype, device)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    for layer in model.layers:
+        layer.self_attn.invariant = model.invariant
     if pack and packing_supported(dtype, device):
         pack_linears(model, keep=("lm_head",))  # the drafter reads the (tied) LM head
     return model
@@ -60,27 +62,27 @@ def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device
 
 def _apply_quantization(quantization: str, model: Decoder, dtype: torch.dtype, device: str) -> str:
     """Put the layers' linears in the chosen weight format; returns "none" or "int4" (4-bit groups of
-    32 through the CPU int4 kernel, bf16 activations, embeddings untouched, an LM head that is 8-bit
-    groups already in its own form: models/q8.py). "auto" picks
-    int4 only where it is lossless, i.e. the layers' weights already are 4-bit groups (a GGUF
-    Q4_0/Q4_1 model such as the embedded default), the dtype is bf16 and the kernel exists; "int4"
+    32 through a CPU int4 kernel, models/int4.int4_kernel: bf16 activations, or fp32 ones on the AVX2
+    kernel; embeddings untouched, an LM head that is 8-bit groups already in its own form: models/q8.py).
+    "auto" picks int4 only where it is lossless, i.e. the layers' weights already are 4-bit groups (a GGUF
+    Q4_0/Q4_1 model such as the embedded default) and a kernel takes the dtype's rows; "int4"
     forces it (round-to-nearest quantization of other weights). Runs on the checkpoint's own values,
     before any cast rounds them."""
     if quantization == "none":
         return "none"
-    usable = dtype == torch.bfloat16 and int4_supported(device)
+    kernel = int4_kernel(dtype, device)
     if quantization == "int4":
-        if not usable:
-            raise ValueError(f"quantization 'int4' needs dtype bfloat16 on a CPU with PyTorch's int4 kernel "
-                             f"(got dtype {str(dtype).removeprefix('torch.')} on {device})")
-        quantize_linears_int4(model.layers)
-    elif not (usable and quantize_linears_int4(model.layers, native_only=True)):
+        if kernel is None:
+            raise ValueError(f"quantization 'int4' needs dtype bfloat16 on a CPU with PyTorch's int4 kernel, or "
+                             f"float32 on a CPU with AVX2 (got dtype {str(dtype).removeprefix('torch.')} on {device})")
+        quantize_linears_int4(model.layers, dtype=dtype)
+    elif not (kernel and quantize_linears_int4(model.layers, native_only=True, dtype=dtype)):
         return "none"
     # an LM head that already is 8-bit groups (a GGUF's Q8_0 head) runs in that form too, where dspark's
-    # kernels run (on 8-bit rows too where the 4-bit matmuls take them, native.act8()); the bf16 head stays
-    # for the drafter, which reads its rows (tied: the embeddings)
-    if native.library() is not None and native_q8(model.lm_head.weight):
-        model.lm_head_q8 = Q8Linear(model.lm_head.weight, vnni=native.act8())
+    # kernels run (on 8-bit rows too where the 4-bit matmuls take them, native.act8(), and always on the AVX2
+    # kernel); the full-precision head stays for the drafter, which reads its rows (tied: the embeddings)
+    if kernel in ("dspark", "avx2") and native_q8(model.lm_head.weight):
+        model.lm_head_q8 = Q8Linear(model.lm_head.weight, vnni=native.act8(), avx2=kernel == "avx2")
     return "int4"
 
 

@@ -106,7 +106,8 @@ def _compiles(cc: str, flags: list[str]) -> bool:
     return proc.returncode == 0
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, sources: list[Path] | None = None, flags: list[str] | None = None) -> None:
+    """Compile `sources` (default: SOURCES, with AMX where the compiler knows it) into the shared library `out`."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         raise RuntimeError("no C compiler (gcc / cc) on PATH")
@@ -114,8 +115,9 @@ def _build(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        flags = FLAGS + (AMX_FLAGS if _compiles(cc, AMX_FLAGS) else [])  # older compilers build the rest
-        proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+        if flags is None:
+            flags = FLAGS + (AMX_FLAGS if _compiles(cc, AMX_FLAGS) else [])  # older compilers build the rest
+        proc = subprocess.run([cc, *flags, *map(str, sources or SOURCES), "-o", tmp], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, out)  # atomic: concurrent first starts never load a half-written file

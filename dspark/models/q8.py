@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.models import native
+from dspark.models import native, native_avx2
 
 GROUP = 32
 _LEVELS = 127
@@ -66,14 +66,17 @@ class Q8Linear(nn.Module):
     `out_dtype`). Any out_features: the kernel's rows are padded to a multiple of 16, the output is not.
     With `vnni`, the rows are rounded to 8-bit groups as well and multiplied on VNNI (q8_vnni_mm.c):
     about twice as fast, for callers that can take the rounding (the drafter; the target where its 4-bit
-    matmuls round their rows too, native.act8())."""
+    matmuls round their rows too, native.act8()). With `avx2`, fp32 rows rounded to 8-bit groups on the AVX2
+    kernel (native_avx2), fp32 out: where the AVX-512 kernels cannot run."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.float32, vnni: bool = False):
+                 out_dtype: torch.dtype = torch.float32, vnni: bool = False, avx2: bool = False):
         super().__init__()
         if weight.dim() != 2 or weight.shape[1] % GROUP:
             raise ValueError(f"q8 needs in_features % {GROUP} == 0, got {tuple(weight.shape)}")
-        if native.library() is None:
+        if avx2 and native_avx2.library() is None:
+            raise RuntimeError(f"the AVX2 q8 kernel does not run here: {native_avx2.why()}")
+        if not avx2 and native.library() is None:
             raise RuntimeError(f"the q8 kernel does not run here: {native.why()}")
         self.out_features, self.in_features = weight.shape
         self.out_dtype = out_dtype
@@ -81,11 +84,14 @@ class Q8Linear(nn.Module):
         padded = torch.cat([weight.detach().float(), weight.new_zeros(self._rows - self.out_features,
                                                                       self.in_features).float()])
         codes, step, _ = fit_q8(padded)
-        self.vnni = vnni
-        self.register_buffer("packed", (pack_for_vnni if vnni else pack_for_kernel)(codes, step))
+        self.vnni, self.avx2 = vnni or avx2, avx2
+        self.register_buffer("packed", (pack_for_vnni if self.vnni else pack_for_kernel)(codes, step))
         self.bias = None if bias is None else bias.detach().to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.avx2:
+            y = native_avx2.matmul(x.reshape(-1, self.in_features).float(), self.packed, self._rows, 8)
+            return self._finish(y, x)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch.empty(rows.shape[0], self._rows, dtype=self.out_dtype)
         n, bf16_out = rows.shape[0], int(self.out_dtype == torch.bfloat16)
@@ -99,6 +105,11 @@ class Q8Linear(nn.Module):
         elif n:
             native.loaded().dspark_q8_mm(rows.data_ptr(), n, self.in_features, self.packed.data_ptr(), self._rows,
                                          y.data_ptr(), bf16_out, torch.get_num_threads())
+        return self._finish(y, x)
+
+    def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The kernel's [rows, padded outputs] -> x's leading shape, out_features, out_dtype, with the bias."""
+        y = y.to(self.out_dtype)
         if self._rows != self.out_features:
             y = y[:, :self.out_features]
         if self.bias is not None:
@@ -107,4 +118,4 @@ class Q8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, 8-bit groups of {GROUP}"
-                + (", 8-bit rows (VNNI)" if self.vnni else ""))
+                + (", 8-bit rows (AVX2)" if self.avx2 else ", 8-bit rows (VNNI)" if self.vnni else ""))

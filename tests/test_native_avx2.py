@@ -1,0 +1,162 @@
+"""The AVX2 matmuls (models/native_avx2.py, csrc/avx2_mm.c): 4-bit and 8-bit grouped weights times fp32 rows
+rounded to 8-bit groups. Each row's result equals the reference product of its rounded row and the
+dequantised weight, is bit-identical whatever the other rows of the call or the threads, and matches the
+AVX-512 kernels' bits where those run too; the embedded model runs on them in fp32, and speculative decoding
+stays token-identical to plain decoding there."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark import LLM, SamplingParams
+from dspark.models import int4, native, native_avx2, q8
+from dspark.models.int4 import GROUP, Int4Linear
+from dspark.models.loader import load_decoder
+from dspark.models.q8 import Q8Linear
+from invariance import assert_embedded_rows_invariant
+from rounding import rows_rounded_to_8bit
+
+pytestmark = pytest.mark.skipif(native_avx2.library() is None, reason=f"no AVX2 kernels: {native_avx2.why()}")
+
+
+def _q4(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes [n, k] 0..15 (each group spanning 0..15), steps and minima [n, k / 32] as a GGUF Q4_1 holds them."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k // GROUP, GROUP), generator=gen)
+    codes[..., 0], codes[..., 1] = 0, 15
+    step = (torch.rand(n, k // GROUP, generator=gen) * 0.01 + 1e-4).half().float()
+    lo = (-8 * step + torch.randn(n, k // GROUP, generator=gen) * 1e-3).half().float()
+    return codes.reshape(n, k).int(), step, lo
+
+
+def _dequantised_q4(codes, step, lo) -> torch.Tensor:
+    """The weight the kernel multiplies: steps and centres lo + 8 step rounded to bf16 as packed."""
+    n, k = codes.shape
+    d = step.bfloat16().float()
+    m = (lo + 8 * step).bfloat16().float() - 8 * d
+    return (codes.float().view(n, k // GROUP, GROUP) * d[..., None] + m[..., None]).view(n, k)
+
+
+def _q8(n: int, k: int, seed: int = 0, lowest: int = -128) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [n, k] in lowest..127, steps [n, k / 32]; by default with the code -128 in every row, whose |q| = 128
+    must not saturate the 16-bit pair sums (a weight fitted by q8.fit_q8 has codes from -127 on)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(lowest, 128, (n, k), generator=gen, dtype=torch.int32)
+    codes[:, 0::GROUP], codes[:, 1::GROUP] = lowest, 127  # every group spans its full range
+    return codes.to(torch.int8), torch.rand(n, k // GROUP, generator=gen) * 0.01
+
+
+def _rows(count: int, k: int, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(count, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :GROUP] = 0  # a group of zeros: scale 0, codes 0
+    x[1, :GROUP] = 127.0 * torch.arange(GROUP) / GROUP  # large values round without overflow
+    return x
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 64)])
+def test_matmul_is_the_rounded_rows_times_the_dequantised_weight(bits, shape):
+    n, k = shape
+    if bits == 4:
+        fit = _q4(n, k)
+        packed, weight = int4.pack_for_kernel(*fit, quads=True), _dequantised_q4(*fit)
+    else:
+        codes, step = _q8(n, k)
+        packed, weight = q8.pack_for_vnni(codes, step), (codes.float().view(n, -1, GROUP) * step[..., None]).view(n, k)
+    x = _rows(70, k)
+    y = native_avx2.matmul(x, packed, n, bits)
+    ref = rows_rounded_to_8bit(x).double() @ weight.double().T
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_result_never_depends_on_the_other_rows_or_the_threads(bits):
+    n, k = 576, 1536
+    packed = int4.pack_for_kernel(*_q4(n, k), quads=True) if bits == 4 else q8.pack_for_vnni(*_q8(n, k))
+    x = _rows(130, k)  # more than one chunk of 64 rows
+    full = native_avx2.matmul(x, packed, n, bits)
+    for rows in (1, 2, 7, 8, 9, 64, 65):
+        assert torch.equal(native_avx2.matmul(x[:rows], packed, n, bits), full[:rows]), rows
+    assert torch.equal(torch.cat([native_avx2.matmul(x[i:i + 5], packed, n, bits) for i in range(0, 130, 5)]), full)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native_avx2.matmul(x, packed, n, bits), full)
+    finally:
+        torch.set_num_threads(threads)
+    assert native_avx2.matmul(x[:0], packed, n, bits).shape == (0, n)
+
+
+@pytest.mark.skipif(native.library() is None, reason="the AVX-512 kernels do not run here")
+def test_the_same_bits_as_the_avx512_kernels():
+    """On bf16-representable rows, the AVX2 result rounded to bf16 is the AVX-512 8-bit route's output."""
+    n, k = 960, 576
+    fit = _q4(n, k)
+    x = _rows(9, k).bfloat16()
+    with native.route("int8_activations") as runs:
+        assert runs
+        y512 = native.int4_mm(native.loaded(), x, int4.pack_for_kernel(*fit, quads=True), n)
+    assert torch.equal(native_avx2.matmul(x.float(), int4.pack_for_kernel(*fit, quads=True), n, 4).bfloat16(), y512)
+    codes, step = _q8(n, k, lowest=-127)
+    head = Q8Linear((codes.float().view(n, -1, GROUP) * step[..., None]).view(n, k), vnni=True)
+    assert torch.equal(native_avx2.matmul(x.float(), head.packed, n, 8), head(x))
+
+
+def test_linears_take_fp32_rows_on_the_avx2_kernel():
+    n, k = 96, 128
+    fit = _q4(n, k)
+    bias = torch.randn(n)
+    lin = Int4Linear(_dequantised_q4(*fit), bias, dtype=torch.float32)
+    assert "avx2 kernel" in repr(lin)
+    x = _rows(5, k)
+    torch.testing.assert_close(lin(x), F.linear(rows_rounded_to_8bit(x), _dequantised_q4(*fit), bias),
+                               rtol=1e-5, atol=1e-5)
+    assert lin(x.view(5, 1, k)).shape == (5, 1, n)
+    codes, step = _q8(40, k, lowest=-127)  # 40 outputs: padded to 48 inside, not outside
+    weight = (codes.float().view(40, -1, GROUP) * step[..., None]).view(40, k)
+    head = Q8Linear(weight, avx2=True)
+    assert "AVX2" in repr(head) and head(x).shape == (5, 40) and head(x).dtype == torch.float32
+    torch.testing.assert_close(head(x), rows_rounded_to_8bit(x) @ weight.T, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="no 4-bit kernel takes float16 rows"):
+        Int4Linear(_dequantised_q4(*fit), dtype=torch.float16)
+
+
+def test_embedded_model_in_fp32_keeps_its_4bit_layers_and_8bit_head(embedded_dir):
+    dec = load_decoder(embedded_dir, dtype=torch.float32, quantization="auto")
+    assert dec.weight_format == "float32/int4+q8-head"
+    assert all(m._kernel == "avx2" for m in dec.modules() if isinstance(m, Int4Linear))
+    assert_embedded_rows_invariant(dec)
+    dense = load_decoder(embedded_dir, dtype=torch.float32, quantization="none")
+    assert dense.weight_format == "float32"
+
+
+def test_speculative_decoding_is_lossless_on_the_avx2_kernels():
+    plain = LLM(dtype="float32", profile_progress=False)
+    assert plain.decoder.weight_format == "float32/int4+q8-head"
+    spec = LLM(dtype="float32", speculative_algorithm="DSPARK", planner="fixed", profile_progress=False)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    fast = spec.generate(prompts, params)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert any(max(o.accept_lengths) > 1 for o in fast)
+
+
+def test_attention_matches_sdpa_and_a_row_never_depends_on_padding_or_other_rows():
+    from dspark.models.attention import sdpa_attention
+
+    gen = torch.Generator().manual_seed(4)
+    b, h, hkv, nq, s, hd = 2, 9, 3, 8, 150, 64
+    q = torch.randn(b, h, nq, hd, generator=gen) * hd ** -0.5
+    k, v = torch.randn(hkv, b, s + 42, hd, generator=gen), torch.randn(hkv, b, s + 42, hd, generator=gen)
+    seen = torch.arange(s + 42)[None, None, None, :] < (torch.tensor([[120], [150]]) + torch.arange(nq))[:, None, :, None] - 7
+    seen[1, :, 3] = False  # a row that sees no key
+    out = native_avx2.attention(q, k, v, seen)
+    ref = sdpa_attention(q, k, v, seen)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[1, :, 3], torch.zeros(h, hd))
+    torch.testing.assert_close(out[1][:, [0, 1, 2, 4, 5, 6, 7]], ref[1][:, [0, 1, 2, 4, 5, 6, 7]], rtol=1e-5, atol=1e-5)
+    for i in (0, 5, 7):  # one query row alone, over keys cut at another length: the same bits
+        cut = int(seen[0, 0, i].nonzero().max()) + 1 + i
+        alone = native_avx2.attention(q[:1, :, i:i + 1], k[:, :1, :cut], v[:, :1, :cut], seen[:1, :, i:i + 1, :cut])
+        assert torch.equal(alone[0, :, 0], out[0, :, i]), i
