@@ -132,9 +132,12 @@ def test_embedded_model_in_fp32_keeps_its_4bit_layers_and_8bit_head(embedded_dir
 
 
 def test_speculative_decoding_is_lossless_on_the_avx2_kernels():
+    """fp32 target and drafter on the AVX2 kernels: greedy DSpark output equals plain decoding's."""
     plain = LLM(dtype="float32", profile_progress=False)
     assert plain.decoder.weight_format == "float32/int4+q8-head"
     spec = LLM(dtype="float32", speculative_algorithm="DSPARK", planner="fixed", profile_progress=False)
+    runner = spec.engine.proposer.drafter.runner()  # the drafter's projections on the 8-bit AVX2 kernel too
+    assert all(isinstance(lin, Q8Linear) and lin.avx2 for lin in (runner.head, runner.fc, runner.layers[0].gate_up))
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     fast = spec.generate(prompts, params)
@@ -160,3 +163,27 @@ def test_attention_matches_sdpa_and_a_row_never_depends_on_padding_or_other_rows
         cut = int(seen[0, 0, i].nonzero().max()) + 1 + i
         alone = native_avx2.attention(q[:1, :, i:i + 1], k[:, :1, :cut], v[:, :1, :cut], seen[:1, :, i:i + 1, :cut])
         assert torch.equal(alone[0, :, 0], out[0, :, i]), i
+
+
+def test_layer_ops_match_pytorch_and_never_depend_on_the_other_rows():
+    from dspark.models.layers import Rotary, apply_rotary
+
+    gen = torch.Generator().manual_seed(5)
+    x, res, w = torch.randn(33, 576, generator=gen), torch.randn(33, 576, generator=gen), torch.rand(576, generator=gen)
+    total, normed = native_avx2.rms_norm(x, w, 1e-5, res)
+    assert torch.equal(total, x + res)
+    torch.testing.assert_close(normed, F.rms_norm(x + res, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    assert torch.equal(native_avx2.rms_norm(x[5:6], w, 1e-5, res[5:6])[1], normed[5:6])
+    gu = torch.randn(9, 2 * 1536, generator=gen)
+    torch.testing.assert_close(native_avx2.silu_mul(gu), F.silu(gu[:, :1536]) * gu[:, 1536:], rtol=1e-5, atol=1e-6)
+    h, hkv, hd, t = 9, 3, 64, 5
+    qkv = torch.randn(t, h + 2 * hkv, hd, generator=gen)
+    rotary = Rotary(1.0 / 10000 ** (torch.arange(0, hd, 2).float() / hd))
+    positions = torch.tensor([3, 4, 5, 6, 7])
+    pool, slots = torch.zeros(2 * hkv, 16, hd), torch.tensor([8, 9, 10, 11, 12])
+    q = native_avx2.rope_store(qkv, positions, *rotary.tables(positions), 0.125, h, hkv, pool, slots)
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    ref = apply_rotary(qkv[:, :h + hkv], cos, sin)
+    torch.testing.assert_close(q, ref[:, :h] * 0.125, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pool[:hkv, slots].transpose(0, 1), ref[:, h:], rtol=1e-6, atol=1e-6)
+    assert torch.equal(pool[hkv:, slots].transpose(0, 1), qkv[:, h + hkv:])

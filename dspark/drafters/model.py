@@ -173,8 +173,8 @@ class DSparkDrafter(Backbone):
     _runner_key: tuple | None = None
 
     def pack(self) -> "DSparkDrafter":
-        """Inference on a bf16 CPU: draft with fused weights in oneDNN's packed layout (drafters/runner.py),
-        built once from the weights as they are now; training must use an unpacked drafter."""
+        """Inference on a CPU: draft with fused weights in dspark's 8-bit kernels' or oneDNN's packed layout
+        (drafters/runner.py), built once from the weights as they are now; training must use an unpacked drafter."""
         self._runner, self._runner_key = DraftRunner(self, pack=True), None
         return self
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from dspark.drafters.blocks import block_positions, draft_mask
 from dspark.drafters.cache import DrafterCache
-from dspark.models import native
+from dspark.models import native, native_avx2
 from dspark.models.layers import apply_rotary
 from dspark.models.q8 import GROUP as Q8_GROUP, Q8Linear
 
@@ -46,13 +46,15 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Linear:
-    """x [..., in] -> [..., out]: dspark's 8-bit VNNI kernel, or a packed oneDNN call, or F.linear on the
-    tensors as they are."""
+    """x [..., in] -> [..., out]: dspark's 8-bit kernels (VNNI on bf16 rows, AVX2 on fp32 rows), or a packed
+    oneDNN call, or F.linear on the tensors as they are."""
     weight = weight.detach().contiguous()
     bias = None if bias is None else bias.detach()
     if pack:
         if weight.dtype == torch.bfloat16 and weight.shape[1] % Q8_GROUP == 0 and native.library() is not None:
             return Q8Linear(weight, bias, out_dtype=torch.bfloat16, vnni=True)
+        if weight.dtype == torch.float32 and weight.shape[1] % Q8_GROUP == 0 and native_avx2.library() is not None:
+            return Q8Linear(weight, bias, avx2=True)
         from dspark.models.packing import PackedLinear
 
         return PackedLinear(weight, bias)  # no row_chunk: no padding to fixed row counts

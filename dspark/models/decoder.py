@@ -60,8 +60,12 @@ class Attention(nn.Module):
         t, dt, h, hkv = x.shape[0], x.dtype, self.h, self.hkv
         qkv = self.qkv_proj.forward(x).view(t, h + 2 * hkv, self.hd)
         if isinstance(rope, KernelRope):  # one kernel call: RoPE, q's scale, the cache write, fp32 q
-            q = native.rope_store(native.loaded(), qkv, rope.positions, rope.cos, rope.sin, rope.q_scale, h, hkv,
-                                  kv_pool, meta.slot_mapping)
+            if qkv.dtype == torch.float32:  # fp32 rows: the AVX2 library's
+                q = native_avx2.rope_store(qkv.contiguous(), rope.positions, rope.cos, rope.sin, rope.q_scale, h, hkv,
+                                           kv_pool, meta.slot_mapping)
+            else:
+                q = native.rope_store(native.loaded(), qkv, rope.positions, rope.cos, rope.sin, rope.q_scale, h, hkv,
+                                      kv_pool, meta.slot_mapping)
         else:
             if kv_pool.dtype != dt:  # fp32 cache under bf16 weights on CPU (see kv_cache_dtype): one cast, RoPE in fp32
                 qkv = qkv.to(kv_pool.dtype)
@@ -161,6 +165,7 @@ class Decoder(nn.Module):
         self.lm_head_q8: nn.Module | None = None  # the LM head in its own 8-bit groups, where the loader found them
         self.kernels = native.library() is not None  # dspark's CPU kernels (models/native.py) run this model
         self._kernel_rope = self.kernels and not cfg.qk_norm and cfg.head_dim % 32 == 0
+        self._avx2_rope = native_avx2.library() is not None and not cfg.qk_norm and cfg.head_dim % 16 == 0
         self._fused: bool | None = None  # every layer runs as one kernel call for one sequence (set on first use)
 
     @property
@@ -227,8 +232,8 @@ class Decoder(nn.Module):
                 hidden_layers: Sequence[int] = ()) -> DecoderOutput:
         """input_ids, positions: [T]; logits_rows: [R] indices into T (None = no logits)."""
         x = self.embed_tokens(input_ids)  # [T, d]
-        if (self._kernel_rope and x.dtype == torch.bfloat16 and self.kv_dtype == torch.float32
-                and x.device.type == "cpu"):
+        if x.device.type == "cpu" and self.kv_dtype == torch.float32 and (
+                (self._kernel_rope and x.dtype == torch.bfloat16) or (self._avx2_rope and x.dtype == torch.float32)):
             rope = KernelRope(positions.to(torch.int64).contiguous(), *self.rotary.tables(positions),
                               self.config.head_dim ** -0.5)
         else:

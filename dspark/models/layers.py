@@ -1,11 +1,13 @@
 """Building blocks shared by the target decoder and the drafter: RMSNorm, RoPE, SwiGLU MLP."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models import native
+from dspark.models import native, native_avx2
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +19,7 @@ class RMSNorm(nn.Module):
     path is a chain of small ops, and a decode step makes 2 * layers + 1 of these calls. Rows stay
     independent, and the result equals the reference to fp32 rounding (tests/test_layers.py).
     Where dspark's kernels run (models/native.py), bf16 rows take one kernel call instead, which can also
-    add the residual first (`add_forward`)."""
+    add the residual first (`add_forward`); where the AVX2 ones do (models/native_avx2.py), fp32 rows."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -25,13 +27,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self._padded: tuple[tuple, torch.Tensor] | None = None  # (weight version key, [w, 0] or fp32 w)
         self._kernels = native.library() is not None
+        self._avx2 = native_avx2.library() is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return F.rms_norm(x, (x.shape[-1],), w if w.dtype == x.dtype else w.to(x.dtype), self.eps)
-        if self._fits_kernel(x):
-            return native.rms_norm(native.loaded(), x, self._cached_weight(None), self.eps)[1]
+        kernel = self._kernel(x)
+        if kernel is not None:
+            return kernel(x, self._cached_weight(None), self.eps)[1]
         d = x.shape[-1]
         return F.layer_norm(torch.cat([x, x.neg()], dim=-1), (2 * d,), self._cached_weight(x.dtype),
                             None, self.eps)[..., :d]
@@ -39,14 +43,21 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, norm(x + residual)): one kernel call where it fits (inference, bf16 on a CPU)."""
         grad = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or self.weight.requires_grad)
-        if not grad and self._fits_kernel(x) and residual.is_contiguous():
-            return native.rms_norm(native.loaded(), x, self._cached_weight(None), self.eps, residual)
+        kernel = None if grad or not residual.is_contiguous() or residual.dtype != x.dtype else self._kernel(x)
+        if kernel is not None:
+            return kernel(x, self._cached_weight(None), self.eps, residual)
         x = x + residual
         return x, self.forward(x)
 
-    def _fits_kernel(self, x: torch.Tensor) -> bool:
-        return (self._kernels and x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu"
-                and x.is_contiguous() and x.shape[-1] % 16 == 0)
+    def _kernel(self, x: torch.Tensor):
+        """The kernel call that takes these rows here (bf16: native.rms_norm, fp32: native_avx2.rms_norm), or None."""
+        if x.dim() != 2 or x.device.type != "cpu" or not x.is_contiguous() or x.shape[-1] % 16:
+            return None
+        if self._kernels and x.dtype == torch.bfloat16:
+            return partial(native.rms_norm, native.loaded())
+        if self._avx2 and x.dtype == torch.float32:
+            return native_avx2.rms_norm
+        return None
 
     def _cached_weight(self, dtype: torch.dtype | None) -> torch.Tensor:
         """[w, 0] in `dtype` for the layer_norm route, or w in fp32 for the kernel (dtype None), rebuilt
@@ -69,19 +80,23 @@ class SwiGLU(nn.Module):
         self.intermediate = intermediate
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down = nn.Linear(intermediate, hidden, bias=bias)
-        self._kernels = native.library() is not None
+        self._kernels = native.library() is not None or native_avx2.library() is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down.forward(silu_gate(self.gate_up.forward(x), self._kernels))
 
 
 def silu_gate(gu: torch.Tensor, kernels: bool) -> torch.Tensor:
-    """silu(gate) * up of gu [..., 2n] (gate first): one kernel call for bf16 rows [N, 2n] outside autograd
-    where dspark's kernels run (`kernels`, decided by the caller at construction), else two PyTorch ops."""
+    """silu(gate) * up of gu [..., 2n] (gate first): one kernel call for rows [N, 2n] outside autograd where
+    dspark's kernels run (`kernels`, decided by the caller at construction; bf16 rows on the AVX-512 library,
+    fp32 ones on the AVX2 library), else two PyTorch ops."""
     n = gu.shape[-1] // 2
-    if (kernels and not gu.requires_grad and gu.dtype == torch.bfloat16 and gu.dim() == 2
-            and gu.device.type == "cpu" and gu.is_contiguous() and n % 16 == 0):
-        return native.silu_mul(native.loaded(), gu)
+    if (kernels and not gu.requires_grad and gu.dim() == 2 and gu.device.type == "cpu" and gu.is_contiguous()
+            and n % 16 == 0):
+        if gu.dtype == torch.bfloat16 and native.loaded() is not None:
+            return native.silu_mul(native.loaded(), gu)
+        if gu.dtype == torch.float32 and native_avx2.loaded() is not None:
+            return native_avx2.silu_mul(gu)
     gate, up = gu.split(n, dim=-1)
     return F.silu(gate) * up
 

@@ -20,8 +20,8 @@ import torch
 
 from dspark.models import native
 
-SOURCES = [native.CSRC / "avx2_mm.c", native.CSRC / "avx2_attention.c"]
-FLAGS = ["-O3", "-std=gnu11", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+SOURCES = [native.CSRC / name for name in ("avx2_mm.c", "avx2_attention.c", "avx2_layer_ops.c")]
+FLAGS = ["-O3", "-std=gnu11", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-lm"]
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _MM_ARGS = [_P, _I64, _I64, _P, _I64, _P, _INT]
 
@@ -57,7 +57,18 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
     lib.dspark_avx2_attention.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P] + [_I64] * 9 + [_INT]
     lib.dspark_avx2_attention.restype = None
+    lib.dspark_avx2_add_rmsnorm.argtypes = [_P, _P, _P, _P, ctypes.c_float, _P, _I64, _I64, _INT]
+    lib.dspark_avx2_silu_mul.argtypes = [_P, _P, _I64, _I64, _INT]
+    lib.dspark_avx2_rope_store.argtypes = [_P, _P, _P, _P, ctypes.c_float, _I64, _I64, _I64, _I64, _P, _P, _I64, _P,
+                                           _INT]
+    for name in ("dspark_avx2_add_rmsnorm", "dspark_avx2_silu_mul", "dspark_avx2_rope_store"):
+        getattr(lib, name).restype = None
     _lib, _key = lib, key
+    return _lib
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The library if library() has loaded it: modules decide at construction and fetch it here at each call."""
     return _lib
 
 
@@ -106,3 +117,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
                                k.stride(0), k.stride(1), mask.data_ptr(), out.data_ptr(), out.stride(0), out.stride(2),
                                out.stride(1), b, h, k.shape[0], nq, k.shape[2], hd, torch.get_num_threads())
     return out.transpose(1, 2)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """native.rms_norm on fp32 rows: (x + residual, its RMSNorm) for x [rows, d] fp32 contiguous (d a multiple
+    of 8), weight [d] fp32; without residual the first is x itself."""
+    out = torch.empty_like(x)
+    total = x if residual is None else torch.empty_like(x)
+    _lib.dspark_avx2_add_rmsnorm(x.data_ptr(), None if residual is None else residual.data_ptr(), total.data_ptr(),
+                                 weight.data_ptr(), eps, out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return total, out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2n] fp32 contiguous -> [rows, n] fp32."""
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n, dtype=torch.float32)
+    _lib.dspark_avx2_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+    return out
+
+
+def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_scale: float,
+               heads: int, kv_heads: int, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """native.rope_store on fp32 rows: RoPE on the fused qkv rows [T, H + 2 Hkv, hd] fp32 contiguous; keys and
+    values written to the layer's pool [2 Hkv, rows, hd] fp32 at `slots` [T] int64; returns q [T, H, hd] fp32
+    (scaled by q_scale). cos and signed sin: fp32 tables [positions, hd] covering `positions` [T] int64."""
+    t, _, hd = qkv.shape
+    q = torch.empty(t, heads, hd, dtype=torch.float32)
+    _lib.dspark_avx2_rope_store(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_scale, t, heads,
+                                kv_heads, hd, q.data_ptr(), pool.data_ptr(), pool.shape[1], slots.data_ptr(),
+                                torch.get_num_threads())
+    return q
