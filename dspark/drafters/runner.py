@@ -126,7 +126,8 @@ class DraftRunner:
         self.num_heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.gamma, self.vd = c.block_size, c.draft_vocab
         self._ctx_buf: torch.Tensor | None = None  # see _context
-        self._native = pack and native.library() is not None  # attention and greedy picks on dspark's kernels
+        # attention and greedy picks on dspark's AVX-512 kernels (bf16 drafters; an fp32 one runs PyTorch's ops there)
+        self._native = pack and native.library() is not None and drafter.fc.weight.dtype == torch.bfloat16
         self.layers = [_Layer(layer, pack) for layer in drafter.layers]
         self.fc = _linear(drafter.fc.weight, None, pack)
         attns = [layer.self_attn for layer in drafter.layers]

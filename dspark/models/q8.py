@@ -84,8 +84,8 @@ class Q8Linear(nn.Module):
         padded = torch.cat([weight.detach().float(), weight.new_zeros(self._rows - self.out_features,
                                                                       self.in_features).float()])
         codes, step, _ = fit_q8(padded)
-        self.vnni, self.avx2 = vnni or avx2, avx2
-        self.register_buffer("packed", (pack_for_vnni if self.vnni else pack_for_kernel)(codes, step))
+        self.vnni, self.avx2 = vnni, avx2  # the kernel: VNNI (bf16 rows), AVX2 (fp32 rows), or q8_mm.c
+        self.register_buffer("packed", (pack_for_vnni if vnni or avx2 else pack_for_kernel)(codes, step))
         self.bias = None if bias is None else bias.detach().to(out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

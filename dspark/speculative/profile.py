@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from dspark.cache import blocks_for
-from dspark.models import native
+from dspark.models import native, native_avx2
 from dspark.models.attention import KV_ALIGN
 from dspark.models.decoder import Decoder
 from dspark.models.embedded import dspark_home
@@ -159,6 +159,7 @@ def table_cache_path(model_path: Path, decoder: Decoder, max_tokens: int, max_se
     key = "|".join([str(Path(model_path).resolve()), decoder.weight_format, str(torch.get_num_threads()),
                     str(decoder.device), torch.__version__, str(max_tokens), f"seqs={max_seqs}", "ctx=256"]
                    + ([f"dspark-kernels-{native.build_key()}"] if getattr(decoder, "kernels", False) else [])
+                   + ([f"dspark-avx2-{native_avx2.build_key()}"] if native_avx2.build_key() else [])
                    + ([] if profile == "full" else [profile]))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return dspark_home() / "sps" / f"{Path(model_path).name}-{digest}.json"
