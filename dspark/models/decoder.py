@@ -120,13 +120,15 @@ class DecoderLayer(nn.Module):
         return x + self.mlp.forward(normed)
 
     def fusable(self) -> bool:
-        """Whether forward_fused() can run this layer: every projection on dspark's 4-bit kernel, no
-        biases, q/k norms or shapes the kernels do not take."""
+        """Whether forward_fused() can run this layer: every projection on one of dspark's 4-bit kernels (bf16
+        rows: csrc/layer.c; fp32 rows: csrc/avx2_layer.c), no biases, q/k norms or shapes the kernels do not take."""
         from dspark.models.int4 import Int4Linear
 
         a, m = self.self_attn, self.mlp
         linears = (a.qkv_proj, a.o_proj, m.gate_up, m.down)
-        return (all(isinstance(lin, Int4Linear) and lin._native and lin.bias is None for lin in linears)
+        kernel = getattr(a.qkv_proj, "_kernel", None)  # "dspark" (csrc/layer.c) or "avx2" (csrc/avx2_layer.c)
+        return (kernel in ("dspark", "avx2")
+                and all(isinstance(lin, Int4Linear) and lin._kernel == kernel and lin.bias is None for lin in linears)
                 and a.q_norm is None and a.hd % 32 == 0 and m.intermediate % 16 == 0
                 and self.input_layernorm.weight.shape[0] % 16 == 0)
 
@@ -136,7 +138,8 @@ class DecoderLayer(nn.Module):
         the same kernels in the same order, so the same bits); scratch and q_buf from Decoder.forward."""
         a, m, g = self.self_attn, self.mlp, meta.groups[0]
         out = torch.empty_like(x)
-        native.loaded().dspark_layer(
+        layer = native_avx2.loaded().dspark_avx2_layer if x.dtype == torch.float32 else native.loaded().dspark_layer
+        layer(
             x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.input_layernorm._cached_weight(None).data_ptr(),
             self.post_attention_layernorm._cached_weight(None).data_ptr(), self.input_layernorm.eps,
             a.qkv_proj.packed.data_ptr(), a.o_proj.packed.data_ptr(), m.gate_up.packed.data_ptr(),

@@ -20,7 +20,7 @@ import torch
 
 from dspark.models import native
 
-SOURCES = [native.CSRC / name for name in ("avx2_mm.c", "avx2_attention.c", "avx2_layer_ops.c")]
+SOURCES = [native.CSRC / name for name in ("avx2_mm.c", "avx2_attention.c", "avx2_layer_ops.c", "avx2_layer.c")]
 FLAGS = ["-O3", "-std=gnu11", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-lm"]
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _MM_ARGS = [_P, _I64, _I64, _P, _I64, _P, _INT]
@@ -61,7 +61,9 @@ def library() -> ctypes.CDLL | None:
     lib.dspark_avx2_silu_mul.argtypes = [_P, _P, _I64, _I64, _INT]
     lib.dspark_avx2_rope_store.argtypes = [_P, _P, _P, _P, ctypes.c_float, _I64, _I64, _I64, _I64, _P, _P, _I64, _P,
                                            _INT]
-    for name in ("dspark_avx2_add_rmsnorm", "dspark_avx2_silu_mul", "dspark_avx2_rope_store"):
+    lib.dspark_avx2_layer.argtypes = [_P, _P, _I64, _I64, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I64, _I64, _I64, _I64,
+                                      _P, _P, _P, ctypes.c_float, _P, _I64, _P, _I64, _P, _I64, _P, _P, _INT]
+    for name in ("dspark_avx2_add_rmsnorm", "dspark_avx2_silu_mul", "dspark_avx2_rope_store", "dspark_avx2_layer"):
         getattr(lib, name).restype = None
     _lib, _key = lib, key
     return _lib
