@@ -18,8 +18,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on CUDA and on CPUs with AMX / AVX-512-bf16, else float32")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                    help="auto: keep weights that already are 4-bit groups (the embedded GGUF Q4_1 model) in 4 bits "
-                        "on a bf16 CPU, the fastest batch-1 decoding; none: packed bf16, more throughput above "
-                        "about 8 tokens per step; int4: quantize any model's layers (changes its outputs)")
+                        "on a CPU (bf16 rows, or fp32 rows on the AVX2 kernels), the fastest batch-1 decoding; "
+                        "none: full-precision weights (packed bf16: more throughput above "
+                        "about 8 tokens per step); int4: quantize any model's layers (changes its outputs)")
     p.add_argument("--device", default="cpu")
 
 
