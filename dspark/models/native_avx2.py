@@ -1,9 +1,11 @@
-"""dspark's AVX2 matmuls (csrc/avx2_mm.c): 4-bit and 8-bit grouped weights times fp32 rows, for CPUs with AVX2
-and FMA, the ones where the AVX-512 kernels (native.py) cannot run among them.
+"""dspark's AVX2 kernels, for CPUs with AVX2 and FMA (the ones where the AVX-512 kernels, native.py, cannot run
+among them), on fp32 rows: 4-bit and 8-bit grouped-weight matmuls (csrc/avx2_mm.c), attention one query row
+at a time (csrc/avx2_attention.c), RMSNorm + residual, SiLU gating and RoPE + cache write
+(csrc/avx2_layer_ops.c), and a decoder layer of one sequence as one call (csrc/avx2_layer.c).
 
 There the model runs in fp32 (bf16 arithmetic is slow without AVX-512-bf16), and its linears would be fp32
 matmuls: the embedded model's decode step read ~540 MB of weights, and its matmuls took ~80% of the step.
-With these, its 4-bit layers and 8-bit LM head stay in their own form (~125 MB a step), each row rounded to
+With these, its 4-bit layers and 8-bit LM head stay in their own form (~100 MB a step), each row rounded to
 8-bit groups as in llama.cpp's CPU path; a row's result never depends on the other rows of a call, so
 speculative verification stays token-identical to plain decoding.
 
@@ -32,7 +34,7 @@ _key = ""
 
 
 def library() -> ctypes.CDLL | None:
-    """The AVX2 matmuls, building them on first use; None where they cannot run here (why()) or with
+    """The AVX2 kernels, building them on first use; None where they cannot run here (why()) or with
     DSPARK_KERNELS=torch."""
     global _lib, _tried, _why, _key
     if os.environ.get(native.ENV, "auto") == "torch":
