@@ -42,7 +42,8 @@ def library() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
+    files = SOURCES + [native.CSRC / "avx2.h"]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(FLAGS).encode()).hexdigest()[:12]
     path = native._cache_dir() / f"dspark-avx2-{key}.so"
     try:
         if not path.exists():

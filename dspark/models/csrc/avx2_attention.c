@@ -10,18 +10,11 @@
  * padded and however many queries share the call, which keeps a verify window's rows bit-identical to the
  * same positions decoded one at a time. A row that may see no key gets zeros.
  */
-#include <immintrin.h>
+#include "avx2.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* exp(x), x clamped to [-87, 88]: 2^n * p(r), r = x - n ln2, p of degree 6 (relative error ~2e-7) */
 static inline __m256 exp8(__m256 x) {

@@ -4,18 +4,11 @@
  * whose matmuls ran on avx2_mm.c. Each row is computed on its own in a fixed order, so a row's result never
  * depends on how many rows share the call.
  */
-#include <immintrin.h>
+#include "avx2.h"
 #include <math.h>
 #include <stdint.h>
 
 #define PARALLEL_ELEMENTS 65536 /* below this many elements a call runs on one thread */
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* out = x / sqrt(mean(x^2) + eps) * w per row of d (a multiple of 8). With residual != NULL, x is first
  * replaced by sum = x + residual (the decoder's skip connection), written to sum. */

@@ -21,7 +21,7 @@
  * Rows never mix: a row's arithmetic is the same sequence whatever the number of rows or threads (threads
  * split output columns, 16 at a time), so a row's result is bit-identical in any batch or verify window.
  */
-#include <immintrin.h>
+#include "avx2.h"
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -33,20 +33,6 @@
 int dspark_avx2_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-static inline int32_t hsum8_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
 }
 
 /* 8 bf16 values -> fp32 (exact) */
