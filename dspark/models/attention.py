@@ -41,11 +41,17 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
-                        kernels: bool | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                        kernels: bool | str | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Same contract as sdpa_attention; fp32 inputs, S a multiple of KV_ALIGN. kernels: use dspark's
-    kernel where it fits (None: where it is loaded now); out_dtype: the result's dtype."""
+    kernel where it fits (None: where it is loaded now; "avx2": the AVX2 library's even where the AVX-512
+    one runs, as a model on 4-bit AVX2 layers must: its fused layers attend on it, and a row's bits must
+    not depend on which path computed it); out_dtype: the result's dtype."""
     b, h, nq, hd = q.shape
     hkv = k.shape[0]
+    if kernels == "avx2":
+        if native_avx2.library() is not None and native_avx2.attention_fits(q, k):
+            return native_avx2.attention(q, k, v, mask).to(out_dtype)
+        return _invariant_attention_torch(q, k, v, mask).to(out_dtype)
     lib = native.library() if kernels is None else native.loaded() if kernels else None
     if lib is not None and native.attention_fits(q, k):
         return native.attention(lib, q, k, v, mask, out_dtype)

@@ -51,7 +51,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.hd, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self._kernels = native.library() is not None or native_avx2.library() is not None  # attention's kernels
+        # attention's kernels: True (dspark's where they run), or "avx2" where the layers' 4-bit kernels are the
+        # AVX2 ones (set by the loader): their fused layers attend on that library, so must the per-op path
+        self._kernels: bool | str = native.library() is not None or native_avx2.library() is not None
         self.invariant = False  # the window-invariant attention even where the cache has the model's dtype (Decoder.invariant)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | KernelRope, kv_pool: torch.Tensor,

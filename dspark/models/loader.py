@@ -55,6 +55,8 @@ def load_decoder(path: str | Path, *, dtype: torch.dtype = torch.float32, device
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     for layer in model.layers:
         layer.self_attn.invariant = model.invariant
+        if getattr(layer.self_attn.qkv_proj, "_kernel", None) == "avx2":
+            layer.self_attn._kernels = "avx2"
     if pack and packing_supported(dtype, device):
         pack_linears(model, keep=("lm_head",))  # the drafter reads the (tied) LM head
     return model
