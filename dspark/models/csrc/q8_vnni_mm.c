@@ -37,23 +37,46 @@ static inline __m512 row_group(const int8_t *xg, const __m512i *w, int32_t sum) 
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(128 * sum)));
 }
 
-static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf) {
-    const struct vnni_args *a = args;
+/* Rows r0 .. r0 + R - 1 of block b, R <= 8 a compile-time constant: the rows' sums stay in registers over all
+ * groups (as in int4_mm.c's act8_rows), each row's arithmetic the same sequence whatever R. */
+static inline __attribute__((always_inline)) void vnni_rows(const struct vnni_args *a, int64_t b, int64_t r0,
+                                                            const int R, float *ybuf) {
     const int64_t k = a->k, groups = k / GROUP;
     const uint8_t *rec0 = a->packed + b * groups * RECORD;
-    for (int64_t r = 0; r < rows; r++)
-        _mm512_storeu_ps(ybuf + r * 16, _mm512_setzero_ps());
+    __m512 y[8];
+    for (int r = 0; r < R; r++)
+        y[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *rec = rec0 + g * RECORD;
         __m512i w[8];
         for (int p = 0; p < 8; p++)
             w[p] = _mm512_loadu_si512(rec + 64 * p);
         const __m512 d = _mm512_loadu_ps((const float *)(rec + 512));
-        for (int64_t r = 0; r < rows; r++) {
+        for (int r = 0; r < R; r++) {
             const int64_t row = r0 + r;
             const __m512 s = row_group(a->xq + row * k + g * GROUP, w, a->sx[row * groups + g]);
             const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a->e[row * groups + g]));
-            _mm512_storeu_ps(ybuf + r * 16, _mm512_fmadd_ps(s, scale, _mm512_loadu_ps(ybuf + r * 16)));
+            y[r] = _mm512_fmadd_ps(s, scale, y[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm512_storeu_ps(ybuf + r * 16, y[r]);
+}
+
+static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, float *ybuf) {
+    const struct vnni_args *a = args;
+    for (int64_t done = 0; done < rows; done += 8) {
+        const int64_t n = rows - done < 8 ? rows - done : 8;
+        float *yb = ybuf + done * 16;
+        switch (n) {
+        case 1: vnni_rows(a, b, r0 + done, 1, yb); break;
+        case 2: vnni_rows(a, b, r0 + done, 2, yb); break;
+        case 3: vnni_rows(a, b, r0 + done, 3, yb); break;
+        case 4: vnni_rows(a, b, r0 + done, 4, yb); break;
+        case 5: vnni_rows(a, b, r0 + done, 5, yb); break;
+        case 6: vnni_rows(a, b, r0 + done, 6, yb); break;
+        case 7: vnni_rows(a, b, r0 + done, 7, yb); break;
+        default: vnni_rows(a, b, r0 + done, 8, yb); break;
         }
     }
     store_block(ybuf, rows, a->y, a->out_bf16, a->n, r0, b * 16);
