@@ -1,9 +1,9 @@
 """dspark's AVX-512 kernels as they are against the kernels of another git revision, in one process: the
 embedded model is loaded once (the packed weights are the same for both builds) and every repeat times
-a verify step of each window size and, with --draft, a whole drafting round of the shipped drafter, on
+a verify step of each window size, with --batch a step of several sequences, and with --draft, a whole drafting round of the shipped drafter, on
 one build and then the other (in turn first). Interleaved so that a noisy host moves both alike; medians per build.
 
-    .venv/bin/python bench/kernels_ab.py [--against HEAD] [--tokens 1,2,4,8,16] [--repeats 30] [--draft]
+    .venv/bin/python bench/kernels_ab.py [--against HEAD] [--tokens 1,2,4,8,16] [--repeats 30] [--batch 8,32] [--draft]
 
 Only the C sources differ between the two builds; both take this process's routes (DSPARK_AMX,
 DSPARK_INT8_ACTIVATIONS). For kernel changes whose layouts or signatures differ, compare separate runs.
@@ -58,10 +58,12 @@ def main() -> None:
     ap.add_argument("--against", default="HEAD", help="git revision whose kernels to compare with")
     ap.add_argument("--tokens", default="1,2,4,8,16", help="verify window sizes (one sequence, 256 cached)")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--batch", default="", help="also steps of B sequences, one new token each (e.g. 8,32)")
     ap.add_argument("--draft", action="store_true", help="also time a whole drafting round (batch 1)")
     ap.add_argument("--json", help="write the medians here")
     args = ap.parse_args()
     sizes = [int(s) for s in args.tokens.split(",")]
+    batches = [int(b) for b in args.batch.split(",") if b]
     llm = LLM(speculative_algorithm="DSPARK", planner="fixed") if args.draft else LLM()
     dec = llm.engine.model
     if native.loaded() is None:
@@ -69,7 +71,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"this tree": native.loaded(), args.against: build_at(args.against, Path(tmp))}
         gen = torch.Generator().manual_seed(0)
-        cache = dec.new_cache(blocks_for(256 + max(sizes) + KV_ALIGN) + 1)
+        cache = dec.new_cache(max([1] + batches) * (blocks_for(256 + max(sizes) + KV_ALIGN) + 1))
         round_fn = _round(llm) if args.draft else None
         times: dict[tuple[str, str], list[float]] = {}
         with torch.inference_mode():
@@ -81,6 +83,10 @@ def main() -> None:
                         sec = _time_step(dec, cache, [n], 256, gen)
                         if rep >= 2:
                             times.setdefault((name, f"step {n}"), []).append(sec)
+                    for b in batches:
+                        sec = _time_step(dec, cache, [1] * b, 256, gen)
+                        if rep >= 2:
+                            times.setdefault((name, f"batch {b}"), []).append(sec)
                     if round_fn is not None:
                         t = time.perf_counter()
                         round_fn()
@@ -89,7 +95,8 @@ def main() -> None:
         native._lib = libs["this tree"]
     med = {f"{name} | {what}": statistics.median(v) * 1e3 for (name, what), v in times.items()}
     for name in libs:
-        row = {what: med[f"{name} | {what}"] for what in [f"step {n}" for n in sizes] + (["draft round"] if args.draft else [])}
+        whats = [f"step {n}" for n in sizes] + [f"batch {b}" for b in batches] + (["draft round"] if args.draft else [])
+        row = {what: med[f"{name} | {what}"] for what in whats}
         ratio = f", {sizes[-1]}-token step / 1-token step {row[f'step {sizes[-1]}'] / row['step 1']:.2f}" if 1 in sizes else ""
         print(f"{name:>12}: " + "  ".join(f"{w} {ms:.2f} ms" for w, ms in row.items()) + ratio)
     if args.json:

@@ -50,19 +50,27 @@ static __m512i key_order(void) {
     return _mm512_loadu_si512(idx);
 }
 
-static void attend_row(const float *q, const float *k, const float *v, const uint8_t *mask, int64_t s_len,
-                       int64_t hd, void *out, int bf16, float *sc, __m512i order) {
-    const int64_t nv = hd / 16;
+/* The keys s0 .. s0 + n - 1 (n <= 16) the row may see, as a bit mask (a masked load: never past the mask's end) */
+static inline __mmask16 live_keys(const uint8_t *mask, int64_t s0, int64_t n) {
+    const __mmask16 in = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1);
+    return _mm_mask_cmpneq_epi8_mask(in, _mm_maskz_loadu_epi8(in, mask + s0), _mm_setzero_si128());
+}
+
+/* A row's scores and then probabilities over the S keys into sc (masked keys exactly 0), 16 keys at a time
+ * (groups the row may not see at all are skipped), and the reciprocal of their sum; returns 0 where the
+ * row sees no key (a padding row, whose output is zeros). nv = hd / 16 is a constant where the callers
+ * know it (hd 64 and 128), so that the row's query vectors stay in registers. */
+static inline __attribute__((always_inline)) int row_probs(const float *q, const float *k, const uint8_t *mask,
+                                                           int64_t s_len, const int64_t nv, float *sc, __m512i order,
+                                                           float *inv) {
+    const int64_t hd = nv * 16;
     __m512 qv[16];
     for (int64_t j = 0; j < nv; j++)
         qv[j] = _mm512_loadu_ps(q + 16 * j);
-    /* scores 16 keys at a time (groups the row may not see at all are skipped); masked keys -inf */
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t s0 = 0; s0 < s_len; s0 += 16) {
         const int64_t n = s_len - s0 < 16 ? s_len - s0 : 16;
-        __mmask16 live = 0;
-        for (int64_t i = 0; i < n; i++)
-            live |= (__mmask16)((mask[s0 + i] != 0) << i);
+        const __mmask16 live = live_keys(mask, s0, n);
         if (!live)
             continue;
         __m512 acc[16];
@@ -82,38 +90,108 @@ static void attend_row(const float *q, const float *k, const float *v, const uin
         vmax = _mm512_max_ps(vmax, dots);
     }
     const float mx = _mm512_reduce_max_ps(vmax);
-    __m512 o[16];
-    for (int64_t j = 0; j < nv; j++)
-        o[j] = _mm512_setzero_ps();
-    if (mx == -INFINITY) { /* sees no key: a padding row */
-        for (int64_t j = 0; j < nv; j++)
-            store_row(out, j, o[j], bf16);
-        return;
-    }
-    /* probabilities, 16 keys at a time; masked keys exactly 0 */
+    if (mx == -INFINITY)
+        return 0;
     __m512 sum = _mm512_setzero_ps();
     const __m512 vmx = _mm512_set1_ps(mx);
     for (int64_t s0 = 0; s0 < s_len; s0 += 16) {
         const int64_t n = s_len - s0 < 16 ? s_len - s0 : 16;
-        __mmask16 live = 0;
-        for (int64_t i = 0; i < n; i++)
-            live |= (__mmask16)((mask[s0 + i] != 0) << i);
+        const __mmask16 live = live_keys(mask, s0, n);
         const __m512 x = _mm512_maskz_loadu_ps(live, sc + s0);
         const __m512 p = _mm512_maskz_mov_ps(live, exp_clamped(_mm512_sub_ps(x, vmx)));
         _mm512_storeu_ps(sc + s0, p);  /* sc has 16 floats of slack */
         sum = _mm512_add_ps(sum, p);
     }
-    for (int64_t s = 0; s < s_len; s++) {
-        if (!mask[s])
-            continue;
-        const __m512 p = _mm512_set1_ps(sc[s]);
-        const float *vs = v + s * hd;
+    *inv = 1.0f / _mm512_reduce_add_ps(sum);
+    return 1;
+}
+
+/* R query rows of one (sequence, head), which read the same keys and values: q rows qsq floats apart, mask
+ * rows s_len apart, out rows osq elements apart; sc holds R * (s_len + 16) floats. Each row's probabilities
+ * come from row_probs, and then probs @ values runs for the R rows together, each value vector loaded once
+ * for all of them (one row at a time read every value again from L2 for every row of a verify window, and
+ * took ~16% of an 8-token step). Each row's sums are its own, over the keys in order, masked keys skipped,
+ * as for a row alone: the same bits whatever R. nv and R are constants (R * nv <= 16 vectors of sums). */
+static inline __attribute__((always_inline)) void attend_rows(const float *q, int64_t qsq, const float *k,
+                                                              const float *v, const uint8_t *mask, int64_t s_len,
+                                                              const int64_t nv, const int R, void *out, int64_t osq,
+                                                              int bf16, float *sc, __m512i order) {
+    const int64_t hd = nv * 16, ld = s_len + 16;
+    float inv[4];
+    int seen[4];
+    for (int r = 0; r < R; r++)
+        seen[r] = row_probs(q + r * qsq, k, mask + r * s_len, s_len, nv, sc + r * ld, order, &inv[r]);
+    __m512 o[4][8];
+    for (int r = 0; r < R; r++)
         for (int64_t j = 0; j < nv; j++)
-            o[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vs + 16 * j), o[j]);
+            o[r][j] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < s_len; s++) {
+        const float *vs = v + s * hd;
+        __m512 vv[8];
+        for (int64_t j = 0; j < nv; j++)
+            vv[j] = _mm512_loadu_ps(vs + 16 * j);
+        for (int r = 0; r < R; r++) {
+            if (!seen[r] || !mask[r * s_len + s])
+                continue;
+            const __m512 p = _mm512_set1_ps(sc[r * ld + s]);
+            for (int64_t j = 0; j < nv; j++)
+                o[r][j] = _mm512_fmadd_ps(p, vv[j], o[r][j]);
+        }
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int r = 0; r < R; r++) {
+        void *row = (char *)out + r * osq * (bf16 ? 2 : 4);
+        const __m512 scale = _mm512_set1_ps(seen[r] ? inv[r] : 0.0f);
+        for (int64_t j = 0; j < nv; j++)
+            store_row(row, j, seen[r] ? _mm512_mul_ps(o[r][j], scale) : _mm512_setzero_ps(), bf16);
+    }
+}
+
+/* One row alone, for any head_dim (a multiple of 16, at most 256) */
+static void attend_row(const float *q, const float *k, const float *v, const uint8_t *mask, int64_t s_len,
+                       int64_t hd, void *out, int bf16, float *sc, __m512i order) {
+    const int64_t nv = hd / 16;
+    float inv;
+    __m512 o[16];
     for (int64_t j = 0; j < nv; j++)
-        store_row(out, j, _mm512_mul_ps(o[j], inv), bf16);
+        o[j] = _mm512_setzero_ps();
+    if (row_probs(q, k, mask, s_len, nv, sc, order, &inv)) {
+        for (int64_t s = 0; s < s_len; s++) {
+            if (!mask[s])
+                continue;
+            const __m512 p = _mm512_set1_ps(sc[s]);
+            const float *vs = v + s * hd;
+            for (int64_t j = 0; j < nv; j++)
+                o[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vs + 16 * j), o[j]);
+        }
+        for (int64_t j = 0; j < nv; j++)
+            o[j] = _mm512_mul_ps(o[j], _mm512_set1_ps(inv));
+    }
+    for (int64_t j = 0; j < nv; j++)
+        store_row(out, j, o[j], bf16);
+}
+
+/* The q_len rows of one (sequence, head) (strides as in attend_rows): hd 64 in tiles of 4, 2 and 1 rows,
+ * hd 128 in tiles of 2 and 1, other head sizes a row at a time. */
+static void attend_head(const float *q, int64_t qsq, const float *k, const float *v, const uint8_t *mask,
+                        int64_t s_len, int64_t hd, void *out, int64_t osq, int bf16, int64_t q_len, float *sc,
+                        __m512i order) {
+    const int64_t ob = bf16 ? 2 : 4;
+    int64_t i = 0;
+#define TILE(NV, R)                                                                                       \
+    for (; i + (R) <= q_len; i += (R))                                                                    \
+        attend_rows(q + i * qsq, qsq, k, v, mask + i * s_len, s_len, NV, R, (char *)out + i * osq * ob, osq, bf16, \
+                    sc, order)
+    if (hd == 64) {
+        TILE(4, 4);
+        TILE(4, 2);
+        TILE(4, 1);
+    } else if (hd == 128) {
+        TILE(8, 2);
+        TILE(8, 1);
+    }
+#undef TILE
+    for (; i < q_len; i++)
+        attend_row(q + i * qsq, k, v, mask + i * s_len, s_len, hd, (char *)out + i * osq * ob, bf16, sc, order);
 }
 
 /* Row (b, h, i) of q at q + b * qsb + h * qsh + i * qsq (scaled by 1/sqrt(hd)), written to out at
@@ -127,15 +205,13 @@ void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, con
     const __m512i order = key_order();
 #pragma omp parallel num_threads(threads)
     {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(s_len + 16));
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(4 * (s_len + 16)));
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < b_len * h_len; bh++) {
             const int64_t b = bh / h_len, h = bh % h_len;
             const int64_t kv_off = (h / group) * kvsh + b * kvsb;
-            for (int64_t i = 0; i < q_len; i++)
-                attend_row(q + b * qsb + h * qsh + i * qsq, k + kv_off, v + kv_off,
-                           mask + (b * q_len + i) * s_len, s_len, hd,
-                           (char *)out + (b * osb + h * osh + i * osq) * (out_bf16 ? 2 : 4), out_bf16, sc, order);
+            attend_head(q + b * qsb + h * qsh, qsq, k + kv_off, v + kv_off, mask + b * q_len * s_len, s_len, hd,
+                        (char *)out + (b * osb + h * osh) * (out_bf16 ? 2 : 4), osq, out_bf16, q_len, sc, order);
         }
         free(sc);
     }
@@ -144,9 +220,10 @@ void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, con
 /* One bf16 query row (scaled here by `scale`) over the first n keys / values of a bf16 cache (rows of hd),
  * out bf16. Two passes over the keys' scores as in attend_row, without a mask: the keys past n are
  * never read. */
-static void decode_row_bf16(const uint16_t *q, float scale, const uint16_t *k, const uint16_t *v, int64_t n,
-                            int64_t hd, uint16_t *out, float *sc, __m512i order) {
-    const int64_t nv = hd / 16;
+static inline __attribute__((always_inline)) void decode_row_bf16_nv(const uint16_t *q, float scale, const uint16_t *k,
+                                                                     const uint16_t *v, int64_t n, const int64_t nv,
+                                                                     uint16_t *out, float *sc, __m512i order) {
+    const int64_t hd = nv * 16;
     __m512 qv[16], o[16];
     for (int64_t j = 0; j < nv; j++) {
         qv[j] = _mm512_mul_ps(bf16_load(q + 16 * j), _mm512_set1_ps(scale));
@@ -195,6 +272,17 @@ static void decode_row_bf16(const uint16_t *q, float scale, const uint16_t *k, c
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
     for (int64_t j = 0; j < nv; j++)
         bf16_store(out + 16 * j, _mm512_mul_ps(o[j], inv));
+}
+
+/* decode_row_bf16_nv with nv a constant for hd 64 and 128 (see attend_row) */
+static void decode_row_bf16(const uint16_t *q, float scale, const uint16_t *k, const uint16_t *v, int64_t n,
+                            int64_t hd, uint16_t *out, float *sc, __m512i order) {
+    if (hd == 64)
+        decode_row_bf16_nv(q, scale, k, v, n, 4, out, sc, order);
+    else if (hd == 128)
+        decode_row_bf16_nv(q, scale, k, v, n, 8, out, sc, order);
+    else
+        decode_row_bf16_nv(q, scale, k, v, n, hd / 16, out, sc, order);
 }
 
 /* Decode attention of a batched generator over a static bf16 cache: row r's H query heads (q + r * qsr +
