@@ -4,6 +4,9 @@
 # runs/train/s26/ckpt.pt). P = a folder holding gsm8k_train.jsonl and vicuna_bench_questions.jsonl
 # (JSONL prompts; see docs/training.md). Needs `make train-deps` for the ShareGPT dump.
 #   P=/path/to/train-prompts bash recipes/s26-continue-stage-g.sh
+# As run in session 26 (2-core Zen 5): step 1 2.5 min; step 2 8 shards (1,007 answers) in ~8 min; step 3 25
+# shards (3,200 answers, shards 27-51) in its 1,500 s; ~430 response tokens/s over both. A rerun of step 3
+# answers further shards for another MATH_SECONDS.
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
 D=${DSPARK_BIN:-.venv/bin/dspark}
@@ -20,5 +23,5 @@ $D train-data --out runs/data/gen-mathcode-27 --prompts "$P/gsm8k_train.jsonl" -
 $D train --data runs/data/gen-chat-26:6 --data runs/data/gen-mathcode-27:4 --data runs/data/sharegpt-chats-all \
     --init-from dspark/checkpoints/smollm2-135m-dspark --run-dir runs/train/s26 --num-layers 2 --markov-rank 64 \
     --target-layer-ids 1,8,15,22,28 --mask-token-id 16 --draft-vocab-size 16384 --batch-size 16 --micro-tokens 4096 \
-    --anchors 128 --steps "${STEPS:-160}" --conf-label greedy --lr 3e-4 --min-lr-ratio 0.1 --ckpt-every 5 \
+    --anchors 128 --steps "${STEPS:-120}" --conf-label greedy --lr 3e-4 --min-lr-ratio 0.1 --ckpt-every 5 \
     --val-every-nth 20 --val-max 16 --curve-start 20000 --no-curve-snapshots --threads 2 --export runs/drafters/s26
