@@ -11,7 +11,6 @@ DSPARK_INT8_ACTIVATIONS). For kernel changes whose layouts or signatures differ,
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from dspark.speculative.profile import _time_step
 REPO = Path(__file__).resolve().parent.parent
 
 
-def build_at(rev: str, out_dir: Path) -> ctypes.CDLL:
+def build_at(rev: str, out_dir: Path):
     """The kernels' sources at git revision `rev`, built and loaded with this process's routes."""
     src = out_dir / "csrc"
     src.mkdir(parents=True)
@@ -42,12 +41,7 @@ def build_at(rev: str, out_dir: Path) -> ctypes.CDLL:
         (src / name).write_bytes(blob)
     lib_path = out_dir / "kernels.so"
     native._build(lib_path, sources=[src / p.name for p in native.SOURCES])
-    lib = ctypes.CDLL(str(lib_path))
-    for name, args in native.SIGNATURES.items():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
-    lib.dspark_amx_init.argtypes = [ctypes.c_int]
-    lib.dspark_act8_init.argtypes = [ctypes.c_int]
+    lib = native.open_library(lib_path)
     lib.dspark_amx_init(int(native.amx()))
     lib.dspark_act8_init(int(native.act8()))
     return lib

@@ -147,22 +147,29 @@ def library() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             _build(path)
-        lib = ctypes.CDLL(str(path))  # after torch: its libgomp (same soname) serves this library too
+        lib = open_library(path)
         if not lib.dspark_supported():
             _why = "this CPU lacks AVX-512 BF16 and VNNI"
             return None
-        for name, args in SIGNATURES.items():
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = None
-        lib.dspark_amx_init.argtypes = [_INT]
         amx = lib.dspark_amx_init(int(choice))
-        lib.dspark_act8_init.argtypes = [_INT]
         act8 = lib.dspark_act8_init(int(choice8))
     except (OSError, RuntimeError) as e:
         _why = str(e)
         return None
     _lib, _key = lib, key + ("-amx" if amx else "") + ("-act8" if act8 else "")
     return _lib
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """A built kernel library at `path`, its functions typed (SIGNATURES); its routes are not set. For a
+    benchmark of another build (bench/kernels_ab.py) as for library()."""
+    lib = ctypes.CDLL(str(path))  # after torch: its libgomp (same soname) serves this library too
+    for name, args in SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    lib.dspark_amx_init.argtypes = [_INT]
+    lib.dspark_act8_init.argtypes = [_INT]
+    return lib
 
 
 def loaded() -> ctypes.CDLL | None:
