@@ -111,23 +111,24 @@ static inline __attribute__((always_inline)) int row_probs(const float *q, const
  * come from row_probs, and then probs @ values runs for the R rows together, each value vector loaded once
  * for all of them (one row at a time read every value again from L2 for every row of a verify window, and
  * took ~16% of an 8-token step). Each row's sums are its own, over the keys in order, masked keys skipped,
- * as for a row alone: the same bits whatever R. nv and R are constants (R * nv <= 16 vectors of sums). */
+ * as for a row alone: the same bits whatever R. nv and R are constants (R * nv <= 16 vectors of sums) where
+ * attend_head tiles; other head sizes come one row at a time with a run-time nv. */
 static inline __attribute__((always_inline)) void attend_rows(const float *q, int64_t qsq, const float *k,
                                                               const float *v, const uint8_t *mask, int64_t s_len,
                                                               const int64_t nv, const int R, void *out, int64_t osq,
                                                               int bf16, float *sc, __m512i order) {
     const int64_t hd = nv * 16, ld = s_len + 16;
     float inv[4];
-    int seen[4];
+    int seen[4];  /* o: up to 16 vectors a row for any head_dim (kept in registers where R * nv <= 16) */
     for (int r = 0; r < R; r++)
         seen[r] = row_probs(q + r * qsq, k, mask + r * s_len, s_len, nv, sc + r * ld, order, &inv[r]);
-    __m512 o[4][8];
+    __m512 o[4][16];
     for (int r = 0; r < R; r++)
         for (int64_t j = 0; j < nv; j++)
             o[r][j] = _mm512_setzero_ps();
     for (int64_t s = 0; s < s_len; s++) {
         const float *vs = v + s * hd;
-        __m512 vv[8];
+        __m512 vv[16];
         for (int64_t j = 0; j < nv; j++)
             vv[j] = _mm512_loadu_ps(vs + 16 * j);
         for (int r = 0; r < R; r++) {
@@ -144,30 +145,6 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, in
         for (int64_t j = 0; j < nv; j++)
             store_row(row, j, seen[r] ? _mm512_mul_ps(o[r][j], scale) : _mm512_setzero_ps(), bf16);
     }
-}
-
-/* One row alone, for any head_dim (a multiple of 16, at most 256) */
-static void attend_row(const float *q, const float *k, const float *v, const uint8_t *mask, int64_t s_len,
-                       int64_t hd, void *out, int bf16, float *sc, __m512i order) {
-    const int64_t nv = hd / 16;
-    float inv;
-    __m512 o[16];
-    for (int64_t j = 0; j < nv; j++)
-        o[j] = _mm512_setzero_ps();
-    if (row_probs(q, k, mask, s_len, nv, sc, order, &inv)) {
-        for (int64_t s = 0; s < s_len; s++) {
-            if (!mask[s])
-                continue;
-            const __m512 p = _mm512_set1_ps(sc[s]);
-            const float *vs = v + s * hd;
-            for (int64_t j = 0; j < nv; j++)
-                o[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vs + 16 * j), o[j]);
-        }
-        for (int64_t j = 0; j < nv; j++)
-            o[j] = _mm512_mul_ps(o[j], _mm512_set1_ps(inv));
-    }
-    for (int64_t j = 0; j < nv; j++)
-        store_row(out, j, o[j], bf16);
 }
 
 /* The q_len rows of one (sequence, head) (strides as in attend_rows): hd 64 in tiles of 4, 2 and 1 rows,
@@ -191,7 +168,8 @@ static void attend_head(const float *q, int64_t qsq, const float *k, const float
     }
 #undef TILE
     for (; i < q_len; i++)
-        attend_row(q + i * qsq, k, v, mask + i * s_len, s_len, hd, (char *)out + i * osq * ob, bf16, sc, order);
+        attend_rows(q + i * qsq, qsq, k, v, mask + i * s_len, s_len, hd / 16, 1, (char *)out + i * osq * ob, osq,
+                    bf16, sc, order);
 }
 
 /* Row (b, h, i) of q at q + b * qsb + h * qsh + i * qsq (scaled by 1/sqrt(hd)), written to out at
@@ -218,7 +196,7 @@ void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, con
 }
 
 /* One bf16 query row (scaled here by `scale`) over the first n keys / values of a bf16 cache (rows of hd),
- * out bf16. Two passes over the keys' scores as in attend_row, without a mask: the keys past n are
+ * out bf16. Two passes over the keys' scores as in row_probs, without a mask: the keys past n are
  * never read. */
 static inline __attribute__((always_inline)) void decode_row_bf16_nv(const uint16_t *q, float scale, const uint16_t *k,
                                                                      const uint16_t *v, int64_t n, const int64_t nv,
@@ -274,7 +252,7 @@ static inline __attribute__((always_inline)) void decode_row_bf16_nv(const uint1
         bf16_store(out + 16 * j, _mm512_mul_ps(o[j], inv));
 }
 
-/* decode_row_bf16_nv with nv a constant for hd 64 and 128 (see attend_row) */
+/* decode_row_bf16_nv with nv a constant for hd 64 and 128 (see row_probs) */
 static void decode_row_bf16(const uint16_t *q, float scale, const uint16_t *k, const uint16_t *v, int64_t n,
                             int64_t hd, uint16_t *out, float *sc, __m512i order) {
     if (hd == 64)

@@ -167,16 +167,9 @@ static void block_rows_act8(const void *args, int64_t b, int64_t r0, int64_t row
     for (int64_t done = 0; done < rows; done += 8) {
         const int64_t n = rows - done < 8 ? rows - done : 8;
         float *yb = ybuf + done * 16;
-        switch (n) {
-        case 1: act8_rows(a, b, r0 + done, 1, yb); break;
-        case 2: act8_rows(a, b, r0 + done, 2, yb); break;
-        case 3: act8_rows(a, b, r0 + done, 3, yb); break;
-        case 4: act8_rows(a, b, r0 + done, 4, yb); break;
-        case 5: act8_rows(a, b, r0 + done, 5, yb); break;
-        case 6: act8_rows(a, b, r0 + done, 6, yb); break;
-        case 7: act8_rows(a, b, r0 + done, 7, yb); break;
-        default: act8_rows(a, b, r0 + done, 8, yb); break;
-        }
+#define ROWS(R) act8_rows(a, b, r0 + done, R, yb)
+        SWITCH_ROWS(n, ROWS)
+#undef ROWS
     }
     store_block(ybuf, rows, a->y, 1, a->n, r0, b * 16);
 }

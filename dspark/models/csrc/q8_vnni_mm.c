@@ -74,16 +74,9 @@ static void block_rows(const void *args, int64_t b, int64_t r0, int64_t rows, fl
     for (int64_t done = 0; done < rows; done += 8) {
         const int64_t n = rows - done < 8 ? rows - done : 8;
         float *yb = ybuf + done * 16;
-        switch (n) {
-        case 1: vnni_rows(a, b, r0 + done, 1, yb); break;
-        case 2: vnni_rows(a, b, r0 + done, 2, yb); break;
-        case 3: vnni_rows(a, b, r0 + done, 3, yb); break;
-        case 4: vnni_rows(a, b, r0 + done, 4, yb); break;
-        case 5: vnni_rows(a, b, r0 + done, 5, yb); break;
-        case 6: vnni_rows(a, b, r0 + done, 6, yb); break;
-        case 7: vnni_rows(a, b, r0 + done, 7, yb); break;
-        default: vnni_rows(a, b, r0 + done, 8, yb); break;
-        }
+#define ROWS(R) vnni_rows(a, b, r0 + done, R, yb)
+        SWITCH_ROWS(n, ROWS)
+#undef ROWS
     }
     store_block(ybuf, rows, a->y, a->out_bf16, a->n, r0, b * 16);
 }

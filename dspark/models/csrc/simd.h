@@ -73,6 +73,20 @@ static inline void quantize_row_q8(const uint16_t *x, int64_t k, int8_t *xq, flo
     }
 }
 
+/* CALL(R) for n = 1..8 rows with R the same number as a compile-time constant (the matmuls' register-resident
+ * row blocks, int4_mm.c act8_rows and q8_vnni_mm.c vnni_rows); n above 8 takes CALL(8). */
+#define SWITCH_ROWS(n, CALL)                                                                                 \
+    switch (n) {                                                                                             \
+    case 1: CALL(1); break;                                                                                  \
+    case 2: CALL(2); break;                                                                                  \
+    case 3: CALL(3); break;                                                                                  \
+    case 4: CALL(4); break;                                                                                  \
+    case 5: CALL(5); break;                                                                                  \
+    case 6: CALL(6); break;                                                                                  \
+    case 7: CALL(7); break;                                                                                  \
+    default: CALL(8); break;                                                                                 \
+    }
+
 /* The driver of the grouped-weight matmuls (int4_mm.c, q8_mm.c): rows in chunks of ROW_CHUNK, each chunk's
  * blocks of 16 output columns split between threads whole. block(args, b, r0, rows, ybuf) leaves the
  * chunk's outputs of block b in ybuf [rows, 16] fp32; store_block() writes them out. */
