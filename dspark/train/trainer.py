@@ -225,14 +225,22 @@ class Trainer:
         theirs, _ = parse_config(json.loads((src / CONFIG).read_text()), src)
         diff = {k: (v, getattr(self.dcfg, k)) for k, v in theirs.to_dict().items() if v != self.dcfg.to_dict()[k]}
         tensors = load_file(str(src / WEIGHTS))
-        allowed = set()  # a deeper drafter (layers appended), a fresh draft vocabulary
+        allowed = set()  # a deeper drafter (layers appended), a fresh draft vocabulary, heads left out
         if "num_layers" in diff and diff["num_layers"][0] < diff["num_layers"][1]:
             allowed.add("num_layers")
         new_vocab = "draft_vocab_size" in diff and None not in diff["draft_vocab_size"]
         if new_vocab:
             allowed.add("draft_vocab_size")
+        dropped = []  # DFlash from a DSpark checkpoint's backbone: without its Markov and confidence heads
+        if self.dcfg.markov_rank == 0 and theirs.markov_rank > 0:
+            allowed |= {"markov_rank", "markov_head_type"}
+            dropped.append("markov_head.")
+        if not self.dcfg.confidence_head and theirs.confidence_head:
+            allowed.add("confidence_head")
+            dropped.append("confidence_head.")
         if set(diff) - allowed:
             raise ValueError(f"--init-from {src}: drafter config differs from this run's (theirs, ours): {diff}")
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(tuple(dropped))}
         return self._new_vocab(tensors) if new_vocab else tensors
 
     def _zero_new_layers(self, missing: list[str]) -> None:
