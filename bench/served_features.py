@@ -22,10 +22,10 @@ def main() -> None:
     p.add_argument("--data", required=True, help="a train-data directory (its every 20th sequence is held out)")
     p.add_argument("--sequences", type=int, default=32, help="held-out sequences to use")
     args = p.parse_args()
-    from dspark.cache.kv_cache import blocks_for
     from dspark.models.embedded import resolve_model_path
     from dspark.models.loader import load_decoder, resolve_dtype
     from dspark.train.config import TrainConfig
+    from dspark.train.dense_target import served_pass
     from dspark.train.trainer import Trainer
 
     c = json.loads((Path(args.drafter) / "config.json").read_text())
@@ -39,15 +39,10 @@ def main() -> None:
     served = load_decoder(resolve_model_path(None), dtype=resolve_dtype("auto"), pack=True, quantization="auto")
     layers, dense_pass = tuple(tr.dcfg.target_layer_ids), tr.target.forward_packed
 
-    def served_hidden(ids: torch.Tensor) -> torch.Tensor:
-        cache = served.new_cache(blocks_for(len(ids)) + 1)
-        cache.reserve("s", len(ids))
-        meta = cache.prepare(["s"], [len(ids)])
-        return served(ids, torch.arange(len(ids)), cache, meta, hidden_layers=layers).hidden
-
     def with_served_features(seqs, hidden_layers=()):
         hidden, final = dense_pass(seqs, hidden_layers=hidden_layers)  # labels stay the dense pass's
-        return torch.cat([served_hidden(s) for s in seqs]).to(hidden.dtype), final
+        served_hidden = [served_pass(served, s, logits=False, hidden_layers=layers).hidden for s in seqs]
+        return torch.cat(served_hidden).to(hidden.dtype), final
 
     tr.target.forward_packed = with_served_features
     swapped = tr.validate()

@@ -44,8 +44,12 @@ def stdlib_code_prompts(limit: int | None = None, style: str = "describe") -> li
     """Up to `limit` prompts of one shape (module docstring), in a fixed order."""
     if style not in STYLES:
         raise ValueError(f"style must be one of {', '.join(STYLES)}, got {style!r}")
-    modules = CODE_MODULES + MORE_CODE_MODULES if style == "tests" else CODE_MODULES
-    seen, out = set(), []
+    texts = _tests_prompts() if style == "tests" else _function_prompts(style)
+    return [Prompt(t, STYLES[style]) for t in texts][:limit]
+
+
+def _public(modules: tuple[str, ...]):
+    """(module, name, object) for every public name of each importable module, names sorted."""
     for name in modules:
         try:
             with warnings.catch_warnings():
@@ -53,42 +57,53 @@ def stdlib_code_prompts(limit: int | None = None, style: str = "describe") -> li
                 mod = importlib.import_module(name)
         except ImportError:
             continue
-        for fname, fn in sorted(vars(mod).items()):
-            if fname.startswith("_"):
-                continue
-            if style == "tests" and inspect.isclass(fn) and getattr(fn, "__module__", None) == mod.__name__:
-                for mname, meth in vars(fn).items():
-                    key = f"{fname}.{mname}"
-                    if not mname.startswith("_") and inspect.isfunction(meth) and key not in seen:
-                        text = _tests_prompt(meth, mname, f"class {fname}:\n    ...\n\n", "    ")
-                        if text:
-                            seen.add(key)
-                            out.append(Prompt(text, STYLES[style]))
-                continue
-            if not inspect.isfunction(fn) or fname in seen:
-                continue
-            if style == "tests":
-                if getattr(fn, "__module__", None) == mod.__name__:
-                    text = _tests_prompt(fn, fname, "", "")
-                    if text:
-                        seen.add(fname)
-                        out.append(Prompt(text, STYLES[style]))
-                continue
-            doc = inspect.getdoc(fn) or ""
-            summary = _first_sentence(doc)
-            sig = _signature(fn)
-            if len(summary) < 20 or sig is None:
-                continue
-            seen.add(fname)
-            if style == "describe":
-                verb = summary[0].lower() + summary[1:]
-                out.append(Prompt(f"Write a Python function `{fname}{sig}` that does the following: {verb} "
-                                  "Include a short docstring and an example.", "stdlib_code"))
-            else:
-                body = textwrap.indent(doc.split("\n\n")[0].strip(), "    ")
-                out.append(Prompt("Write a solution to the following problem:\n```python\n"
-                                  f"def {fname}{sig}:\n    \"\"\"\n{body}\n    \"\"\"\n```", "stdlib_completion"))
-    return out[:limit] if limit is not None else out
+        for attr, obj in sorted(vars(mod).items()):
+            if not attr.startswith("_"):
+                yield mod, attr, obj
+
+
+def _function_prompts(style: str) -> list[str]:
+    """The "describe" and "complete" shapes: one prompt per function of CODE_MODULES."""
+    seen, out = set(), []
+    for _, fname, fn in _public(CODE_MODULES):
+        if not inspect.isfunction(fn) or fname in seen:
+            continue
+        doc = inspect.getdoc(fn) or ""
+        summary = _first_sentence(doc)
+        sig = _signature(fn)
+        if len(summary) < 20 or sig is None:
+            continue
+        seen.add(fname)
+        if style == "describe":
+            verb = summary[0].lower() + summary[1:]
+            out.append(f"Write a Python function `{fname}{sig}` that does the following: {verb} "
+                       "Include a short docstring and an example.")
+        else:
+            body = textwrap.indent(doc.split("\n\n")[0].strip(), "    ")
+            out.append("Write a solution to the following problem:\n```python\n"
+                       f"def {fname}{sig}:\n    \"\"\"\n{body}\n    \"\"\"\n```")
+    return out
+
+
+def _tests_prompts() -> list[str]:
+    """The "tests" shape: each module's own functions, and its own classes' public methods."""
+    seen, out = set(), []
+    for mod, name, obj in _public(CODE_MODULES + MORE_CODE_MODULES):
+        if getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        if inspect.isfunction(obj):
+            todo = [(name, obj, name, "", "")]
+        elif inspect.isclass(obj):
+            todo = [(f"{name}.{m}", f, m, f"class {name}:\n    ...\n\n", "    ") for m, f in vars(obj).items()
+                    if not m.startswith("_") and inspect.isfunction(f)]
+        else:
+            continue
+        for key, fn, fname, before, indent in todo:
+            text = None if key in seen else _tests_prompt(fn, fname, before, indent)
+            if text:
+                seen.add(key)
+                out.append(text)
+    return out
 
 
 def _signature(fn) -> str | None:

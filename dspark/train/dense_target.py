@@ -309,14 +309,21 @@ class DenseTarget:
 
 
 @torch.no_grad()
-def served_logits(decoder, ids: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced logits [L, V] of one sequence through the engine's decoder (the served path)."""
+def served_pass(decoder, ids: torch.Tensor, *, logits: bool = True, hidden_layers: Sequence[int] = ()):
+    """One sequence teacher-forced through the engine's decoder (the served path): its DecoderOutput,
+    logits [L, V] at every position (or none) and the chosen layers' outputs [L, m*d]."""
     n = len(ids)
     cache = decoder.new_cache(blocks_for(n) + 1)
     cache.reserve("s", n)
     meta = cache.prepare(["s"], [n])
     pos = torch.arange(n, device=decoder.device)
-    return decoder(ids.to(decoder.device), pos, cache, meta, logits_rows=pos).logits
+    return decoder(ids.to(decoder.device), pos, cache, meta, logits_rows=pos if logits else None,
+                   hidden_layers=hidden_layers)
+
+
+def served_logits(decoder, ids: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced logits [L, V] of one sequence through the served decoder."""
+    return served_pass(decoder, ids).logits
 
 
 def _length_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
