@@ -75,6 +75,29 @@ def test_a_manifest_from_before_a_recipe_field_still_resumes(tiny_setup, tmp_pat
     assert logs == [] and len(again["shards"]) == 2
 
 
+def test_skip_answered_leaves_only_new_prompts_and_is_in_the_recipe(tiny_setup, tmp_path):
+    """--skip-answered DIR: the prompts DIR's shards answered (matched by their templated ids) are left
+    out, the others kept in order; a rerun that skips a different set is another recipe."""
+    from transformers import AutoTokenizer
+
+    from dspark.train.datagen import answered_prompts, drop_answered
+
+    model, data, prompts, _ = tiny_setup
+    tok = AutoTokenizer.from_pretrained(str(model))
+    answered = answered_prompts([data])
+    assert len(answered) == 16
+    left = drop_answered({"synthetic": prompts[4:24]}, answered, tok)
+    assert [p.text for p in left["synthetic"]] == [p.text for p in prompts[16:24]]
+    out = tmp_path / "new"
+    man = generate_shards(left["synthetic"], out, model=str(model), shard_size=8, max_tokens=8, max_num_seqs=8,
+                          kv_cache_mb=16, skip_answered=[str(data)], log=lambda *_: None)
+    assert man["recipe"]["skip_answered"] == ["data"] and len(answered_prompts([out]) & answered) == 0
+    with pytest.raises(ValueError, match="different recipe"):
+        generate_shards(left["synthetic"], out, model=str(model), shard_size=8, max_tokens=8, log=lambda *_: None)
+    with pytest.raises(FileNotFoundError, match="no finished shards"):
+        answered_prompts([tmp_path / "empty"])
+
+
 def test_prompt_suffix_goes_on_its_own_line(tmp_path):
     from dspark.train.datagen import read_prompt_file
 

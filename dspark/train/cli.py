@@ -16,6 +16,9 @@ def register(sub: Any) -> None:
     d.add_argument("--prompt-suffix", default="", metavar="TEXT",
                    help="append TEXT on a new line to every --prompts prompt (e.g. the instruction line an "
                         "eval or an application sends with each question)")
+    d.add_argument("--skip-answered", action="append", default=[], metavar="DIR",
+                   help="leave out every prompt already answered in this train-data directory (repeat): new "
+                        "prompts from the same files, e.g. the rest of a prompt file an earlier run took N of")
     d.add_argument("--code-prompts", type=int, default=0, metavar="N",
                    help="add up to N code prompts derived from Python stdlib docstrings")
     d.add_argument("--code-completion-prompts", type=int, default=0, metavar="N",
@@ -88,8 +91,8 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
 
 def _train_data(args: argparse.Namespace) -> int:
     from dspark.train.code_prompts import stdlib_code_prompts
-    from dspark.train.datagen import (generate_shards, mix_prompts, rank_shards, read_prompt_file, shard_rank,
-                                      sharegpt_prompts)
+    from dspark.train.datagen import (answered_prompts, drop_answered, generate_shards, mix_prompts, rank_shards,
+                                      read_prompt_file, shard_rank, sharegpt_prompts)
 
     if args.sharegpt_chats:
         return _chat_text(args)
@@ -114,6 +117,14 @@ def _train_data(args: argparse.Namespace) -> int:
     if not groups:
         raise ValueError("give at least one --prompts PATH, --code-prompts N, --code-completion-prompts N, "
                          "--code-test-prompts N or --sharegpt N")
+    if args.skip_answered:
+        from transformers import AutoTokenizer
+
+        from dspark.models.embedded import resolve_model_path
+
+        tok = AutoTokenizer.from_pretrained(str(resolve_model_path(args.model)))
+        groups = drop_answered(groups, answered_prompts(args.skip_answered), tok)
+        print(json.dumps({"left_after_skip_answered": {k: len(v) for k, v in groups.items()}}))
     prompts = mix_prompts(groups, limits, args.seed)  # same seeded list on every rank
     rank, world = shard_rank(args.rank, args.world_size)
     man = generate_shards(prompts, args.out, model=args.model, shard_size=args.shard_size,
@@ -121,7 +132,8 @@ def _train_data(args: argparse.Namespace) -> int:
                           max_tokens=args.max_tokens, seed=args.seed, time_limit=args.time_limit,
                           max_num_seqs=args.max_num_seqs, rank=rank, world_size=world, device=args.device,
                           dtype=args.dtype, generator=_generator(args), speculative_algorithm=args.speculative_algorithm,
-                          start_shard=args.start_shard, prompt_suffix=args.prompt_suffix)
+                          start_shard=args.start_shard, prompt_suffix=args.prompt_suffix,
+                          skip_answered=args.skip_answered)
     done = sum(s["sequences"] for s in man["shards"].values())
     n_shards = (len(prompts) + args.shard_size - 1) // args.shard_size
     report = {"shards": len(man["shards"]), "of_shards": n_shards, "sequences": done, "of": len(prompts)}

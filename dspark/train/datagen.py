@@ -39,6 +39,7 @@ class Recipe:
     max_tokens: int = 256
     chat_template: bool = True
     prompt_suffix: str = ""  # the line appended to each prompt file's prompts (train-data --prompt-suffix)
+    skip_answered: list[str] = field(default_factory=list)  # dirs whose answered prompts were left out
     model_path: str = ""
 
 
@@ -105,6 +106,34 @@ def sharegpt_prompts(limit: int | None = None, max_chars: int = 2000) -> list[Pr
     return out
 
 
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """The token ids the target is given for one user prompt: its chat template with the generation prompt."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+    return list(getattr(ids, "input_ids", ids))
+
+
+def answered_prompts(data_dirs: list[str | Path]) -> set[tuple[int, ...]]:
+    """The prompt token ids of every answer already in these train-data directories' finished shards."""
+    seen: set[tuple[int, ...]] = set()
+    for d in data_dirs:
+        paths = shard_paths(d)
+        if not paths:
+            raise FileNotFoundError(f"{d}: no finished shards to skip the prompts of")
+        for path in paths:
+            s = torch.load(path)
+            off, plens = s["offsets"].tolist(), s["prompt_lens"].tolist()
+            tokens = s["tokens"].tolist()
+            seen.update(tuple(tokens[o:o + n]) for o, n in zip(off, plens))
+    return seen
+
+
+def drop_answered(groups: dict[str, list[Prompt]], answered: set[tuple[int, ...]],
+                  tokenizer) -> dict[str, list[Prompt]]:
+    """Each group without the prompts whose templated ids are in `answered` (same order otherwise)."""
+    return {name: [p for p in prompts if tuple(prompt_ids(tokenizer, p.text)) not in answered]
+            for name, prompts in groups.items()}
+
+
 def mix_prompts(groups: dict[str, list[Prompt]], limits: dict[str, int | None], seed: int) -> list[Prompt]:
     """Take up to limits[source] prompts per source and interleave them in a seeded shuffle."""
     rng = random.Random(seed)
@@ -140,7 +169,7 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
                     max_num_seqs: int = 64, kv_cache_mb: int = 1024, rank: int = 0, world_size: int = 1,
                     device: str = "cpu", dtype: str = "auto", generator: str = "dense",
                     speculative_algorithm: str = "none", start_shard: int = 0, prompt_suffix: str = "",
-                    log=print) -> dict[str, Any]:
+                    skip_answered: list[str] | None = None, log=print) -> dict[str, Any]:
     """Generate responses shard by shard into out_dir, skipping finished shards; returns the merged manifest.
 
     `prompts` is the full, identically ordered list on every rank; this call answers only the shards with
@@ -150,7 +179,8 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
     Shard files are written atomically and are the source of truth; with world_size > 1 each rank keeps
     its own manifest.rank-R.json, merged by read_manifest (manifest.json is refreshed as a merged snapshot).
     `start_shard` skips the shards before it (answered elsewhere, e.g. by an earlier run's directory).
-    `prompt_suffix` is recorded in the recipe: the line the prompt files' prompts already end with.
+    `prompt_suffix` is recorded in the recipe: the line the prompt files' prompts already end with;
+    `skip_answered` too: the directories whose answered prompts were taken out of `prompts` (drop_answered).
     `generator`: "dense" (the dense target pass of the trainer, any device) or "engine" (the serving
     engine on the CPU, optionally with `speculative_algorithm`; greedy answers are the same tokens).
     """
@@ -159,7 +189,7 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
     out.mkdir(parents=True, exist_ok=True)
     recipe = Recipe(sources=_count(prompts), total_prompts=len(prompts), shard_size=shard_size, seed=seed,
                     temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                    prompt_suffix=prompt_suffix)
+                    prompt_suffix=prompt_suffix, skip_answered=[Path(d).name for d in skip_answered or []])
     manifest = _load_manifest(out, recipe)
     n_shards = (len(prompts) + shard_size - 1) // shard_size
     todo = [i for i in rank_shards(n_shards, rank, world_size)
@@ -190,13 +220,11 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
             break
         chunk = prompts[i * shard_size:(i + 1) * shard_size]
         t0 = time.perf_counter()
-        prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p.text}], tokenize=True,
-                                                    add_generation_prompt=True) for p in chunk]
-        prompt_ids = [list(getattr(x, "input_ids", x)) for x in prompt_ids]
-        results = target.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        ids = [prompt_ids(tokenizer, p.text) for p in chunk]
+        results = target.generate(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed * 1_000_003 + i, batch=max_num_seqs)
-        seqs = [p + r.tokens for p, r in zip(prompt_ids, results)]
-        plens = [len(p) for p in prompt_ids]
+        seqs = [p + r.tokens for p, r in zip(ids, results)]
+        plens = [len(p) for p in ids]
         resp = sum(len(s) - p for s, p in zip(seqs, plens))
         dt = time.perf_counter() - t0
         stats = {"sequences": len(seqs), "response_tokens": resp, "seconds": round(dt, 1)}
