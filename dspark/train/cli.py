@@ -72,8 +72,9 @@ def register(sub: Any) -> None:
 def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     """argparse options for `dspark calibrate`."""
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory (gets sts.json)")
-    p.add_argument("--data", required=True,
-                   help="a train-data directory of the target's greedy answers; its held-out split is used")
+    p.add_argument("--data", required=True, action="append",
+                   help="a train-data directory of the target's greedy answers; its held-out split is used "
+                        "(repeat: one fit over all of them, the test ECE reported for each too)")
     p.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
     p.add_argument("--val-every-nth", type=int, default=20, help="the trainer's held-out split")
     p.add_argument("--max-len", type=int, default=1024, help="the trainer's --max-seq-len")
