@@ -436,16 +436,19 @@ def test_calibrate_fits_sts_on_held_out_greedy_logs(tiny_setup, tmp_path):
     res = json.loads((out / "sts.json").read_text())
     assert len(res["temperatures"]) == 4 and len(res["ece_test_after"]) == 4 and sum(res["samples"]) > 0
     assert (out / "run_log.jsonl").exists()  # the run log travels with the export
-    assert "ece_test_by_set" not in res
+    assert list(res["ece_test_by_source"]) == ["synthetic"]  # the one source: its ECE is the whole test half's
+    assert res["ece_test_by_source"]["synthetic"]["after"] == res["ece_test_after"]
     import shutil  # two directories: one fit over both held-out splits, the test ECE of each reported
 
     shutil.copytree(data, tmp_path / "other")
+    for shard in (tmp_path / "other").glob("shard_*.pt"):  # the same answers, from another source
+        t = torch.load(shard)
+        torch.save({**t, "sources": ["chat"] * len(t["sources"])}, shard)
     assert main(["calibrate", "--drafter", str(out), "--data", str(data), "--data", str(tmp_path / "other"),
                  "--model", str(model), "--val-every-nth", "4", "--dtype", "float32"]) == 0
     both = json.loads((out / "sts.json").read_text())
     assert both["samples"] == [2 * n for n in res["samples"]]
-    assert list(both["ece_test_by_set"]) == ["data", "other"] and "data + other" in both["source"]
-    assert all(len(e["after"]) == 4 and all(0 <= x <= 1 for x in e["after"]) for e in both["ece_test_by_set"].values())
+    assert "data + other" in both["source"] and list(both["ece_test_by_source"]) == ["chat", "synthetic"]
 
 
 def test_per_set_curve_keeps_only_records_that_measured_the_set(tmp_path) -> None:

@@ -187,12 +187,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     drafter = DSparkDrafter.from_pretrained(args.drafter, target.embed, target.lm_head.weight).eval()
     layers = list(drafter.config.target_layer_ids)
     dirs = [args.data] if isinstance(args.data, str) else list(args.data)
-    seqs, held, held_set = [], [], []  # every directory's own held-out split (the trainer's), one after another
+    seqs, held = [], []  # every directory's own held-out split (the trainer's), one after another
     for d in dirs:
         mine = load_dir(data_spec(d)[0], args.max_shards, args.max_len)
-        split = [i for i in range(len(mine)) if args.val_every_nth and i % args.val_every_nth == 0]
-        held += [len(seqs) + i for i in split]
-        held_set += [Path(data_spec(d)[0]).name] * len(split)
+        held += [len(seqs) + i for i in range(len(mine)) if args.val_every_nth and i % args.val_every_nth == 0]
         seqs += mine
     if not held:
         raise ValueError("no held-out sequences (check --val-every-nth)")
@@ -212,19 +210,18 @@ def run_from_args(args: argparse.Namespace) -> int:
     res["ece_test_before"] = position_ece(z[test], surv[test], valid[test], np.ones(z.shape[1]), 0.0, args.bins)
     res["ece_test_after"] = position_ece(z[test], surv[test], valid[test], res["temperatures"],
                                          res["logit_offset"], args.bins)
-    if len(dirs) > 1:  # one fit for all; how it does on each directory's test half
-        names = np.asarray(held_set)[seq]
-        res["ece_test_by_set"] = {
-            n: {"before": position_ece(z[test & (names == n)], surv[test & (names == n)], valid[test & (names == n)],
-                                       np.ones(z.shape[1]), 0.0, args.bins),
-                "after": position_ece(z[test & (names == n)], surv[test & (names == n)], valid[test & (names == n)],
-                                      res["temperatures"], res["logit_offset"], args.bins)}
-            for n in dict.fromkeys(held_set)}
+    # one fit for all; how it does on each kind of prompt (the data's sources: chat, math, code ...)
+    sources = np.asarray([seqs[i][2] for i in held])[seq]
+    res["ece_test_by_source"] = {
+        n: {"before": position_ece(z[m], surv[m], valid[m], np.ones(z.shape[1]), 0.0, args.bins),
+            "after": position_ece(z[m], surv[m], valid[m], res["temperatures"], res["logit_offset"], args.bins),
+            "sequences": int(len(np.unique(seq[m])))}
+        for n in sorted(set(sources[test])) for m in [test & (sources == n)]}
     res["survival_rate"] = [round(float(surv[valid[:, k].astype(bool), k].mean()), 4) if valid[:, k].any() else None
                             for k in range(z.shape[1])]
     res["sampling"] = "greedy"
     res["source"] = (f"held-out split (every {args.val_every_nth}th sequence) of "
-                     f"{' + '.join(dict.fromkeys(held_set))}: fit on its even sequences, ece_test_* on its odd ones")
+                     f"{' + '.join(Path(data_spec(d)[0]).name for d in dirs)}: fit on its even sequences, ece_test_* on its odd ones")
     out = Path(args.out) if args.out else Path(args.drafter) / "sts.json"
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(format_table(res))
@@ -249,7 +246,8 @@ def format_table(res: dict[str, Any]) -> str:
         if test:
             row += f" {100 * res['ece_test_before'][k]:>11.2f}% {100 * res['ece_test_after'][k]:>10.2f}%"
         lines.append(row + f" {res['survival_rate'][k] or 0:>9.3f} {res['samples'][k]:>7}")
-    for name, e in res.get("ece_test_by_set", {}).items():
-        lines.append(f"{name}: test ECE before " + " / ".join(f"{100 * x:.2f}" for x in e["before"])
+    for name, e in res.get("ece_test_by_source", {}).items():
+        lines.append(f"{name} ({e['sequences']} test sequences): ECE before "
+                     + " / ".join(f"{100 * x:.2f}" for x in e["before"])
                      + " %, after " + " / ".join(f"{100 * x:.2f}" for x in e["after"]) + " %")
     return "\n".join(lines)

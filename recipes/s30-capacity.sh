@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Session 30: new eval-shaped answers (the GSM8K-train questions session 28 did not reach, with the math
+# evals' instruction line, and ShareGPT first turns not answered before), then three continuations on
+# the same batches (same data, seed and steps): stage I as it is (2 layers), stage I grown to 4 layers
+# (the new layers start as identities), and the shipped DFlash twin. Run 2-4 together with --threads 1
+# each on a 2-core machine, or one after another with --threads 2.
+# Resumable: rerun the same command after any stop (finished shards are skipped, each training resumes
+# from its run dir's ckpt.pt). P = a folder holding gsm8k_train.jsonl (see docs/training.md).
+#   P=/path/to/train-prompts bash recipes/s30-capacity.sh
+set -euo pipefail
+: "${P:?set P to the folder of training prompt files}"
+D=${DSPARK_BIN:-.venv/bin/dspark}
+STEPS=${STEPS:-140}
+THREADS=${THREADS:-2}
+# 1. greedy answers of the target to prompts no earlier directory answered
+$D train-data --out runs/data/gen-evalstyle-30 --prompts "$P/gsm8k_train.jsonl" \
+    --prompt-suffix 'Please reason step by step, and put your final answer within \boxed{}.' --code-test-prompts 1672 \
+    --sharegpt 1500 --skip-answered runs/data/gen-evalstyle-28 --skip-answered runs/data/gen-chat-26 \
+    --max-tokens 320 --shard-size 128 --max-num-seqs 64 --time-limit "${GEN_SECONDS:-2400}"
+COMMON=(--data runs/data/gen-evalstyle-30:3 --data runs/data/gen-evalstyle-28 --data runs/data/gen-chat-26
+        --target-layer-ids 1,8,15,22,28 --mask-token-id 16 --draft-vocab-size 16384 --batch-size 16
+        --micro-tokens 4096 --anchors 128 --steps "$STEPS" --lr 3e-4 --min-lr-ratio 0.1 --ckpt-every 5
+        --val-every-nth 20 --val-max 16 --curve-start 20000 --no-curve-snapshots --threads "$THREADS")
+# 2. stage I continued, 2 layers
+$D train "${COMMON[@]}" --init-from dspark/checkpoints/smollm2-135m-dspark --run-dir runs/train/s30-2l \
+    --num-layers 2 --markov-rank 64 --conf-label greedy --export runs/drafters/s30-2l
+# 3. stage I grown to 4 layers, same batches
+$D train "${COMMON[@]}" --init-from dspark/checkpoints/smollm2-135m-dspark --run-dir runs/train/s30-4l \
+    --num-layers 4 --markov-rank 64 --conf-label greedy --export runs/drafters/s30-4l
+# 4. the DFlash twin continued, same batches
+$D train "${COMMON[@]}" --init-from dspark/checkpoints/smollm2-135m-dflash --run-dir runs/train/s30-dflash \
+    --num-layers 2 --markov-rank 0 --no-confidence-head --export runs/drafters/s30-dflash
+# 5. the benchmark (every draft verified, gamma 7)
+for m in s30-2l s30-4l; do
+  $D bench offline --dataset bench/data/eval --num-prompts 40 --max-tokens 256 --methods dspark-fixed --block-size 7 \
+      --concurrency 16 --repeats 1 --dspark-draft-model runs/drafters/$m --out runs/bench/tau-$m
+done
+$D bench offline --dataset bench/data/eval --num-prompts 40 --max-tokens 256 --methods dflash --block-size 7 \
+    --concurrency 16 --repeats 1 --dflash-draft-model runs/drafters/s30-dflash --out runs/bench/tau-s30-dflash
