@@ -330,6 +330,17 @@ def test_init_from_starts_from_a_checkpoint(tiny_setup, tmp_path):
     assert not deep.model.layers[2].mlp.down.weight.any()
     deep.fit()
     assert deep.model.layers[2].mlp.down.weight.any() and deep.model.layers[1].self_attn.o_proj.weight.any()
+    # a wider Markov head: the checkpoint's rank, then columns that add nothing until trained
+    wide = Trainer(_cfg(model, data, tmp_path / "w", steps=2, draft_vocab_size=512, markov_rank=16,
+                        init_from=str(out)))
+    with torch.no_grad():
+        a, b = wide.model(tb.hidden, tb.ids, pos, valid), warm.model(tb.hidden, tb.ids, pos, valid)
+    torch.testing.assert_close(a.logits, b.logits)
+    torch.testing.assert_close(a.conf_logits, b.conf_logits)
+    w2 = wide.model.markov_head.markov_w2.weight
+    assert w2.shape[1] == 16 and not w2[:, 8:].any() and wide.model.markov_head.markov_w1.weight[:, 8:].any()
+    wide.fit()
+    assert wide.model.markov_head.markov_w2.weight[:, 8:].any()
     # DFlash from this DSpark's backbone: the Markov and confidence heads are left out, the rest is kept
     flash = Trainer(_cfg(model, data, tmp_path / "h", steps=1, draft_vocab_size=512, markov_rank=0,
                          confidence_head=False, init_from=str(out), export=str(tmp_path / "flash")))

@@ -180,6 +180,7 @@ class Trainer:
         dtype = resolve_dtype(c.compute_dtype, str(self.device))  # bf16 on an AVX2-only CPU is ~5x slower than fp32
         self.model = DSparkDrafter(dcfg, self.embed, self.lm_head, d2t=d2t, dtype=dtype).to(self.device)
         if init is not None:
+            init = self._widen_markov(init)
             missing, unexpected = self.model.load_state_dict(
                 {k: v.to(dtype) if v.is_floating_point() else v for k, v in init.items()}, strict=False)
             if unexpected:
@@ -225,9 +226,12 @@ class Trainer:
         theirs, _ = parse_config(json.loads((src / CONFIG).read_text()), src)
         diff = {k: (v, getattr(self.dcfg, k)) for k, v in theirs.to_dict().items() if v != self.dcfg.to_dict()[k]}
         tensors = load_file(str(src / WEIGHTS))
-        allowed = set()  # a deeper drafter (layers appended), a fresh draft vocabulary, heads left out
+        allowed = set()  # a deeper drafter (layers appended), a wider Markov head, a fresh vocabulary, heads left out
         if "num_layers" in diff and diff["num_layers"][0] < diff["num_layers"][1]:
             allowed.add("num_layers")
+        if (0 < theirs.markov_rank < self.dcfg.markov_rank
+                and theirs.markov_head_type == self.dcfg.markov_head_type == "vanilla"):
+            allowed.add("markov_rank")
         new_vocab = "draft_vocab_size" in diff and None not in diff["draft_vocab_size"]
         if new_vocab:
             allowed.add("draft_vocab_size")
@@ -257,6 +261,26 @@ class Trainer:
                     out.weight.zero_()
                     if out.bias is not None:
                         out.bias.zero_()
+
+    def _widen_markov(self, init: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A wider (vanilla) Markov head than the --init-from checkpoint's: its rank's columns are copied; the
+        new columns of W1 keep their fresh init while those of W2 and the confidence head's weights on them
+        start at zero, so the drafter computes exactly what the checkpoint did until training moves them
+        (W2's new columns get gradients at once, W1's once W2's have moved)."""
+        own = self.model.state_dict()
+        out = dict(init)
+        for k in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"):
+            if k not in init or k not in own or init[k].shape == own[k].shape:
+                continue
+            old, wide = init[k], own[k].detach().clone()
+            if old.shape[0] != wide.shape[0] or old.shape[1] > wide.shape[1]:
+                raise ValueError(f"--init-from {self.cfg.init_from}: {k} {tuple(old.shape)} does not fit "
+                                 f"{tuple(wide.shape)}")
+            if k != "markov_head.markov_w1.weight":
+                wide[:, old.shape[1]:] = 0
+            wide[:, :old.shape[1]] = old.to(wide.dtype)
+            out[k] = wide
+        return out
 
     def _new_vocab(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Warm start across draft vocabularies: a fresh vocabulary from this run's data; every tensor
