@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Session 30: new eval-shaped answers (the GSM8K-train questions session 28 did not reach, with the math
 # evals' instruction line, and ShareGPT first turns not answered before), then three continuations on
-# the same batches (same data, seed and steps): stage I as it is (2 layers), stage I grown to 4 layers
-# (the new layers start as identities), and the shipped DFlash twin. Run 2-4 together with --threads 1
-# each on a 2-core machine, or one after another with --threads 2.
+# the same batches (same data, seed and steps): stage I as it is (2 layers, Markov rank 64), stage I grown
+# to 4 layers (the new layers start as identities), stage I with its Markov head widened to rank 256 (the
+# new columns start at zero), and the shipped DFlash twin. Run 2-5 together with --threads 1 each on a
+# 2-core machine, or one after another with --threads 2.
 # Resumable: rerun the same command after any stop (finished shards are skipped, each training resumes
 # from its run dir's ckpt.pt). P = a folder holding gsm8k_train.jsonl (see docs/training.md).
 #   P=/path/to/train-prompts bash recipes/s30-capacity.sh
@@ -27,11 +28,14 @@ $D train "${COMMON[@]}" --init-from dspark/checkpoints/smollm2-135m-dspark --run
 # 3. stage I grown to 4 layers, same batches
 $D train "${COMMON[@]}" --init-from dspark/checkpoints/smollm2-135m-dspark --run-dir runs/train/s30-4l \
     --num-layers 4 --markov-rank 64 --conf-label greedy --export runs/drafters/s30-4l
-# 4. the DFlash twin continued, same batches
+# 4. stage I with a rank-256 Markov head, same batches
+$D train "${COMMON[@]}" --init-from dspark/checkpoints/smollm2-135m-dspark --run-dir runs/train/s30-r256 \
+    --num-layers 2 --markov-rank 256 --conf-label greedy --export runs/drafters/s30-r256
+# 5. the DFlash twin continued, same batches
 $D train "${COMMON[@]}" --init-from dspark/checkpoints/smollm2-135m-dflash --run-dir runs/train/s30-dflash \
     --num-layers 2 --markov-rank 0 --no-confidence-head --export runs/drafters/s30-dflash
-# 5. the benchmark (every draft verified, gamma 7)
-for m in s30-2l s30-4l; do
+# 6. the benchmark (every draft verified, gamma 7)
+for m in s30-2l s30-4l s30-r256; do
   $D bench offline --dataset bench/data/eval --num-prompts 40 --max-tokens 256 --methods dspark-fixed --block-size 7 \
       --concurrency 16 --repeats 1 --dspark-draft-model runs/drafters/$m --out runs/bench/tau-$m
 done

@@ -503,3 +503,51 @@ def test_keep_freed_memory_is_switchable(monkeypatch):
     before = rss()
     memory.release_freed_memory()
     assert rss() < before - 128 * 2**20
+
+
+def test_twins_train_the_weights_each_would_alone(tiny_setup, tmp_path):
+    """--twin: drafters trained together on one target pass a step end bit-identical to each trained
+    alone, through a kill and resume; the target runs once a step, not once per drafter."""
+    from dspark.train.trainer import fit_together
+
+    model, data, _, _ = tiny_setup
+    flash = dict(markov_rank=0, confidence_head=False, num_layers=2, lr=1e-3)
+
+    def counted(tr: Trainer) -> list[int]:
+        calls, forward = [], tr.target.forward_packed
+        tr.target.forward_packed = lambda *a, **k: calls.append(1) or forward(*a, **k)
+        return calls
+
+    alone = [Trainer(_cfg(model, data, tmp_path / "a", steps=4)), Trainer(_cfg(model, data, tmp_path / "b", steps=4, **flash))]
+    passes_alone = counted(alone[0])
+    for tr in alone:
+        tr.fit()
+    for stop in (3, None):  # killed after step 3 (checkpoint at 2), then resumed to the end
+        lead = Trainer(_cfg(model, data, tmp_path / "ta", steps=4, stop_after=stop))
+        twin = Trainer(_cfg(model, data, tmp_path / "tb", steps=4, stop_after=stop, **flash), share_target=lead)
+        passes = counted(lead)
+        fit_together([lead, twin])
+    assert lead.step == twin.step == 4 and len(passes) == len(passes_alone) // 2  # steps 3-4 only, once each
+    for together, single in zip((lead, twin), alone):
+        for k, v in _params(single).items():
+            torch.testing.assert_close(_params(together)[k], v, atol=0, rtol=0)
+
+
+def test_twin_options_may_change_only_the_drafter(tmp_path):
+    import argparse
+
+    from dspark.train.config import add_train_args, twin_configs
+
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    base = ["--data", "d1", "--run-dir", "r", "--markov-rank", "64", "--steps", "10"]
+    twins = twin_configs(p.parse_args(base + ["--twin", "--run-dir r2 --markov-rank 0 --no-confidence-head",
+                                              "--twin", "--run-dir r3 --num-layers 4 --lr 1e-3"]))
+    assert [(t.run_dir, t.markov_rank, t.confidence_head, t.num_layers, t.steps) for t in twins] == [
+        ("r2", 0, False, 1, 10), ("r3", 64, True, 4, 10)]
+    assert twins[1].lr == 1e-3 and twins[1].data == ["d1"]
+    for bad, match in ((["--twin", "--run-dir r2 --steps 20"], "changes steps"),
+                       (["--twin", "--run-dir r2 --data d2"], "changes data"),
+                       (["--twin", "--num-layers 4"], "its own --run-dir")):
+        with pytest.raises(ValueError, match=match):
+            twin_configs(p.parse_args(base + bad))

@@ -100,6 +100,19 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-cache-gb", type=float, default=d.feature_cache_gb, metavar="GB",
                    help="keep each sequence's target pass in memory (up to GB GiB) so later epochs and "
                         "validations skip it; ~14 KB a token in fp32, 7 in bf16 (default 0: recompute)")
+    p.add_argument("--twin", action="append", default=[], metavar="'OPTIONS'",
+                   help="train another drafter beside this one on the same batches, sharing each step's "
+                        "target pass: OPTIONS (quoted) change only this run's drafter, init, losses, "
+                        "optimiser, --run-dir and --export, e.g. --twin '--run-dir runs/train/flash "
+                        "--markov-rank 0 --no-confidence-head'; repeat for more")
+
+
+# what a --twin may set differently from the run it trains beside: everything else decides the batches,
+# the target pass or the schedule, which the twins share
+TWIN_FIELDS = frozenset({"run_dir", "export", "init_from", "num_layers", "markov_rank", "markov_head_type",
+                         "confidence_head", "mask_token_id", "draft_vocab_size", "lr", "warmup", "min_lr_ratio",
+                         "weight_decay", "grad_clip", "decay", "ce_weight", "tv_weight", "conf_weight",
+                         "conf_label", "save_dtype", "compute_dtype", "ckpt_every", "curve_snapshots"})
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -110,5 +123,35 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.target_layer_ids:
         kw["target_layer_ids"] = [int(x) for x in args.target_layer_ids.split(",")]
     return TrainConfig(**kw)
+
+
+def twin_configs(args: argparse.Namespace) -> list[TrainConfig]:
+    """The --twin runs: the main options overridden by each twin's own, checked to share the batches."""
+    import shlex
+
+    p = argparse.ArgumentParser(prog="dspark train --twin")
+    add_train_args(p)
+    for action in p._actions:  # only what the twin string sets
+        action.default, action.required = argparse.SUPPRESS, False
+    main = config_from_args(args)
+    out = []
+    for text in args.twin:
+        given = vars(p.parse_args(shlex.split(text)))
+        if "twin" in given:
+            raise ValueError(f"--twin {text!r}: a twin cannot hold --twin")
+        twin = config_from_args(argparse.Namespace(**{**vars(args), **given}))
+        changed = sorted(f.name for f in dataclasses.fields(TrainConfig)
+                         if getattr(twin, f.name) != getattr(main, f.name) and f.name not in TWIN_FIELDS)
+        if changed:
+            raise ValueError(f"--twin {text!r} changes {', '.join(changed)}: a twin trains on the same batches "
+                             f"and schedule; it may set only {', '.join(sorted(TWIN_FIELDS))}")
+        out.append(twin)
+    dirs = [c.run_dir for c in [main, *out]]
+    if len(set(dirs)) < len(dirs):
+        raise ValueError(f"--twin: every run needs its own --run-dir (got {dirs})")
+    exports = [c.export for c in [main, *out] if c.export]
+    if len(set(exports)) < len(exports):
+        raise ValueError(f"--twin: every run needs its own --export (got {exports})")
+    return out
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dspark.drafters import DrafterConfig, DSparkDrafter, block_labels
 from dspark.models.loader import resolve_dtype
-from dspark.train.config import TrainConfig, config_from_args
+from dspark.train.config import TrainConfig, config_from_args, twin_configs
 from dspark.train.features import FeatureCache, TargetBatch, soft_labels, target_batch
 from dspark.train.losses import combine, dspark_loss_parts, position_weights, summarize
 from dspark.train.memory import keep_freed_memory, release_freed_memory
@@ -34,8 +34,13 @@ CURVE = "curve"  # run_dir/curve/tokens-N: drafter snapshots at the learning-cur
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """CLI entry: one process, or one rank under torchrun."""
-    Trainer(config_from_args(args)).fit()
+    """CLI entry: one process, or one rank under torchrun; with --twin, several drafters in one process."""
+    twins = twin_configs(args)
+    lead = Trainer(config_from_args(args))
+    if twins:
+        fit_together([lead, *(Trainer(c, share_target=lead) for c in twins)])
+    else:
+        lead.fit()
     return 0
 
 
@@ -105,7 +110,7 @@ def load_dir(path: str, max_shards: int | None, max_len: int) -> list[tuple[torc
 class Trainer:
     """Builds target, data, drafter and optimizer; fit() trains with checkpoints and validation."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, share_target: Trainer | None = None):
         self.cfg = cfg
         keep_freed_memory()  # train/memory.py: a step's large temporaries reuse the heap (trimmed after it)
         if cfg.threads:
@@ -115,7 +120,11 @@ class Trainer:
                                    else "cpu")
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._load_target()
+        if share_target is None:
+            self._load_target()
+        else:  # a --twin: the lead's target (one copy in memory); its passes come from the lead's steps
+            for name in ("model_path", "target_cfg", "target", "embed", "lm_head"):
+                setattr(self, name, getattr(share_target, name))
         self.feature_cache = FeatureCache(int(cfg.feature_cache_gb * 2**30)) if cfg.feature_cache_gb > 0 else None
         self._load_data()
         self._build_model()
@@ -366,16 +375,20 @@ class Trainer:
             pos, valid = pad_anchors([anchors[j] for j in group])
             yield tb, pos, valid, sum(len(s[0]) for s in seqs)
 
-    def train_step(self, step: int) -> tuple[dict, int]:
-        """One optimizer step on this step's global batch; returns global stats and local tokens."""
-        epoch = step // self.steps_per_epoch
+    def step_inputs(self, step: int) -> tuple[list[int], list[torch.Tensor]]:
+        """This step's sequences and their anchors."""
         idx = self.batch_indices(step)
-        anchors = self.anchors_for(idx, epoch)
+        return idx, self.anchors_for(idx, step // self.steps_per_epoch)
+
+    def train_step(self, step: int, micro: list | None = None) -> tuple[dict, int]:
+        """One optimizer step on this step's global batch; returns global stats and local tokens.
+        micro: this step's micro-batches (target passes) already computed, for a twin sharing them."""
+        idx, anchors = self.step_inputs(step)
         den = torch.tensor([self.slot_mass(idx, anchors)], dtype=torch.float64)
         _all_reduce(den, self.world)
         self.model.train()
         stats, ntok = None, 0
-        for tb, pos, valid, n in self._micro(idx, anchors):
+        for tb, pos, valid, n in (self._micro(idx, anchors) if micro is None else micro):
             parts = self.loss_parts(tb, pos, valid)
             combine(parts, float(den), w_ce=self.cfg.ce_weight, w_tv=self.cfg.tv_weight,
                     w_conf=self.cfg.conf_weight).backward()
@@ -450,41 +463,54 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train to total_steps (resuming if a checkpoint exists), validate, export; returns val metrics."""
-        from tqdm import tqdm
-
-        resumed = self.maybe_resume()
-        c = self.cfg
-        if self.rank == 0:
-            print(f"[train] {len(self.train_idx)} train / {len(self.val_idx)} val sequences "
-                  f"({self.train_tokens} train loss tokens), {self.total_steps} steps x {self.global_batch} seqs, "
-                  f"world {self.world}" + (f", resumed at step {self.step}" if resumed else ""), flush=True)
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, dynamic_ncols=True)
-        next_point = _next_curve_point(self.tokens_before + self.tokens_seen, c.curve_start)
+        self.begin()
         while self.step < self.total_steps:
-            if c.stop_after is not None and self.step >= c.stop_after:
-                bar.close()
+            if self.cfg.stop_after is not None and self.step >= self.cfg.stop_after:
+                self.bar.close()
                 return {}
             t0 = time.perf_counter()
             m, ntok = self.train_step(self.step)
-            release_freed_memory()
-            ntok_t = torch.tensor([float(ntok)], dtype=torch.float64)
-            _all_reduce(ntok_t, self.world)
-            self.step += 1
-            self.tokens_seen += int(ntok_t)
-            dt = time.perf_counter() - t0
-            self.wall += dt
-            bar.update(1)
-            bar.set_postfix_str(f"loss {m['loss']:.3f} tau {m['greedy_tau']:.2f} {int(ntok_t) / dt:.0f} tok/s")
-            if self.step % c.log_every == 0:
-                self._log({"step": self.step, "tokens": self.tokens_before + self.tokens_seen,
-                           "wall_s": round(self.wall, 1), "lr": self.lr_at(self.step - 1),
-                           "tok_s": round(int(ntok_t) / dt, 1), **m})
-            if c.curve_start and self.tokens_before + self.tokens_seen >= next_point and self.val_idx:
-                self._curve_point()
-                next_point = _next_curve_point(self.tokens_before + self.tokens_seen, c.curve_start)
-            if self.step % c.ckpt_every == 0 or self.step == self.total_steps:
-                self.save_checkpoint()
-        bar.close()
+            self.after_step(m, ntok, time.perf_counter() - t0)
+        return self.finish()
+
+    def begin(self, position: int = 0) -> None:
+        """Resume if a checkpoint exists, say what the run holds, open its progress bar."""
+        from tqdm import tqdm
+
+        resumed = self.maybe_resume()
+        if self.rank == 0:
+            print(f"[train] {self.run_dir.name}: {len(self.train_idx)} train / {len(self.val_idx)} val sequences "
+                  f"({self.train_tokens} train loss tokens), {self.total_steps} steps x {self.global_batch} seqs, "
+                  f"world {self.world}" + (f", resumed at step {self.step}" if resumed else ""), flush=True)
+        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, dynamic_ncols=True,
+                        position=position, desc=self.run_dir.name if position else None)
+        self.next_point = _next_curve_point(self.tokens_before + self.tokens_seen, self.cfg.curve_start)
+
+    def after_step(self, m: dict, ntok: int, dt: float) -> None:
+        """Count a finished step (dt: its wall time, target pass included): log, curve point, checkpoint."""
+        c = self.cfg
+        release_freed_memory()
+        ntok_t = torch.tensor([float(ntok)], dtype=torch.float64)
+        _all_reduce(ntok_t, self.world)
+        self.step += 1
+        self.tokens_seen += int(ntok_t)
+        self.wall += dt
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"loss {m['loss']:.3f} tau {m['greedy_tau']:.2f} {int(ntok_t) / dt:.0f} tok/s")
+        if self.step % c.log_every == 0:
+            self._log({"step": self.step, "tokens": self.tokens_before + self.tokens_seen,
+                       "wall_s": round(self.wall, 1), "lr": self.lr_at(self.step - 1),
+                       "tok_s": round(int(ntok_t) / dt, 1), **m})
+        if c.curve_start and self.tokens_before + self.tokens_seen >= self.next_point and self.val_idx:
+            self._curve_point()
+            self.next_point = _next_curve_point(self.tokens_before + self.tokens_seen, c.curve_start)
+        if self.step % c.ckpt_every == 0 or self.step == self.total_steps:
+            self.save_checkpoint()
+
+    def finish(self) -> dict:
+        """After the last step: held-out validation, the final log record, the export."""
+        c = self.cfg
+        self.bar.close()
         val = self.validate() if self.val_idx else {}
         self._log({"step": self.step, "tokens": self.tokens_before + self.tokens_seen, "wall_s": round(self.wall, 1),
                    "val": val, "final": True})
@@ -560,6 +586,39 @@ def _rounded(x: Any) -> Any:
     if isinstance(x, list):
         return [_rounded(v) for v in x]
     return round(x, 4) if isinstance(x, float) else x
+
+
+def fit_together(trainers: list[Trainer]) -> list[dict]:
+    """--twin: train several drafters on the same batches in one process. Each step's target passes are
+    computed once (by the first trainer) and every drafter takes its optimizer step on them, so N drafters
+    cost one target pass a step instead of N; each keeps its own checkpoint, log and export, and a run
+    resumed from checkpoints at different steps brings the ones behind up first. The weights are those
+    each would reach trained alone."""
+    lead = trainers[0]
+    if lead.world > 1:
+        raise ValueError("--twin trains in one process (not under torchrun)")
+    for i, t in enumerate(trainers):
+        t.begin(position=i)
+    stop = lead.cfg.stop_after
+    while True:
+        todo = [t for t in trainers if t.step < t.total_steps and (stop is None or t.step < stop)]
+        if not todo:
+            break
+        step = min(t.step for t in todo)
+        t0 = time.perf_counter()
+        micro = list(lead._micro(*lead.step_inputs(step)))
+        shared = time.perf_counter() - t0
+        for t in todo:
+            if t.step == step:
+                t1 = time.perf_counter()
+                m, ntok = t.train_step(step, micro)
+                t.after_step(m, ntok, shared + time.perf_counter() - t1)
+        del micro
+    if stop is not None and any(t.step < t.total_steps for t in trainers):
+        for t in trainers:
+            t.bar.close()
+        return [{} for _ in trainers]
+    return [t.finish() for t in trainers]
 
 
 def _next_curve_point(tokens: int, start: int) -> int:
