@@ -2,13 +2,15 @@
 throughput planner prices it (speculative/profile.py: each round timed right after a target step, median
 of --repeats), for a whole block (7 drafts) and for one draft, at several batch sizes; the default engine
 settings. With --compare, also the same drafter on the per-op route (the kernels' layers and context
-projection switched off), interleaved in one process.
+projection switched off); with --draft-model DIR (repeatable), other drafters beside the shipped one (a
+deeper one, a wider Markov head); all interleaved round by round in one process.
 
-    .venv/bin/python bench/drafting_round.py [--sizes 1,8] [--repeats 15] [--compare]
+    .venv/bin/python bench/drafting_round.py [--sizes 1,8] [--repeats 15] [--compare] [--draft-model DIR ...]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -17,24 +19,31 @@ import torch
 from dspark import LLM
 from dspark.cache import blocks_for
 from dspark.models.attention import KV_ALIGN
+from dspark.speculative.factory import build_proposer
 from dspark.speculative.profile import _time_step
 
 
-def round_seconds(drafter, dec, sizes: list[int], repeats: int, routes: dict, num_drafts: int | None,
+def round_seconds(routes: dict, dec, sizes: list[int], repeats: int, num_drafts: int | None,
                   context: int = 256, fed: int = 2) -> tuple[float, dict]:
-    """(median step seconds, {(route, size): median round seconds}), routes interleaved round by round."""
+    """(median step seconds, {(route, size): median round seconds}), routes interleaved round by round.
+    routes: name -> (drafter, (fused layers, fused context))."""
     gen = torch.Generator().manual_seed(0)
-    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-    hidden = torch.randn(context, width, generator=gen).to(drafter.fc.weight.dtype)
     widest = max(sizes)
-    caches = [drafter.new_cache(context + fed + 8) for _ in range(widest)]
-    drafter.extend_many(caches, [hidden] * widest, [0] * widest)
     target = dec.new_cache(blocks_for(context + 1 + KV_ALIGN) + 1)  # keys as one view: the engine's batch-1 path
-    runner = drafter.runner()
+    state = {}  # drafter -> (its caches, its context features)
+    for drafter, _ in routes.values():
+        if drafter not in state:
+            width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+            hidden = torch.randn(context, width, generator=gen).to(drafter.fc.weight.dtype)
+            caches = [drafter.new_cache(context + fed + 8) for _ in range(widest)]
+            drafter.extend_many(caches, [hidden] * widest, [0] * widest)
+            state[drafter] = caches, hidden
     steps, times = [], {}
     with torch.inference_mode():
         for p in range(repeats + 1):  # pass 0 warms up
-            for name, flags in routes.items():
+            for name, (drafter, flags) in routes.items():
+                caches, hidden = state[drafter]
+                runner = drafter.runner()
                 runner._fused_layers, runner._fused_context = flags
                 for r in sizes:
                     step = _time_step(dec, target, [1], context, gen)
@@ -52,18 +61,26 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,8", help="batch sizes (requests drafting together)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--compare", action="store_true", help="also the per-op route, interleaved")
+    ap.add_argument("--draft-model", action="append", default=[], metavar="DIR",
+                    help="another DSpark drafter to time beside the shipped one (repeat for more)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     llm = LLM(speculative_algorithm="DSPARK", planner="fixed")
     drafter, dec = llm.engine.proposer.drafter, llm.engine.model
     runner = drafter.runner()
-    routes = {"kernels": (runner._fused_layers, runner._fused_context)}
+    routes = {"kernels": (drafter, (runner._fused_layers, runner._fused_context))}
     if args.compare:
-        routes["per-op"] = (False, False)
+        routes["per-op"] = (drafter, (False, False))
+    for path in args.draft_model:  # built as the engine builds its drafter, on the same target
+        spec = dataclasses.replace(llm.config.speculative, draft_model=path)
+        other = build_proposer(spec, llm.decoder, llm.model_path).drafter
+        c = other.config
+        name = f"{path} ({c.num_layers} layers, Markov rank {c.markov_rank})"
+        routes[name] = (other, (other.runner()._fused_layers, other.runner()._fused_context))
     print(f"weights: {dec.weight_format}; drafter layers fused: {runner._fused_layers}, "
           f"context fused: {runner._fused_context}")
     for n in (None, 1):
-        step, rounds = round_seconds(drafter, dec, sizes, args.repeats, routes, n)
+        step, rounds = round_seconds(routes, dec, sizes, args.repeats, n)
         label = "whole block" if n is None else "one draft"
         for (name, r), sec in sorted(rounds.items()):
             print(f"{label:11s} {name:8s} batch {r:2d}: {sec * 1e3:6.2f} ms = {sec / step:.3f} of a "
