@@ -372,6 +372,8 @@ def test_resume_after_kill_matches_uninterrupted(tiny_setup, tmp_path):
     resumed = Trainer(_cfg(model, data, tmp_path / "b", steps=5))
     assert resumed.maybe_resume() and resumed.step == 2
     resumed.fit()
+    logged = [json.loads(ln)["step"] for ln in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 5]  # step 3 of the killed run forgotten; the last is the final validation
     for k, v in _params(full).items():
         torch.testing.assert_close(_params(resumed)[k], v, atol=0, rtol=0)
 

@@ -446,7 +446,19 @@ class Trainer:
         self.step, self.tokens_seen, self.wall = int(state["step"]), int(state["tokens_seen"]), float(state["wall"])
         torch.set_rng_state(state["rng"])
         random.setstate(state["py_rng"])
+        self._forget_log_after(self.step)
         return True
+
+    def _forget_log_after(self, step: int) -> None:
+        """Drop metrics.jsonl records of steps after the checkpoint: the resumed run logs them again, and
+        a learning-curve point the killed run validated would otherwise appear twice in the run log."""
+        path = self.run_dir / "metrics.jsonl"
+        if self.rank != 0 or not path.exists():
+            return
+        lines = path.read_text().splitlines()
+        kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+        if len(kept) < len(lines):
+            path.write_text("".join(ln + "\n" for ln in kept))
 
     def _log(self, record: dict) -> None:
         if self.rank == 0:
