@@ -485,8 +485,9 @@ class Trainer:
             self.after_step(m, ntok, time.perf_counter() - t0)
         return self.finish()
 
-    def begin(self, position: int = 0) -> None:
-        """Resume if a checkpoint exists, say what the run holds, open its progress bar."""
+    def begin(self, position: int | None = None) -> None:
+        """Resume if a checkpoint exists, say what the run holds, open its progress bar (at a row of its
+        own, named by the run dir, for one of several twins)."""
         from tqdm import tqdm
 
         resumed = self.maybe_resume()
@@ -495,7 +496,7 @@ class Trainer:
                   f"({self.train_tokens} train loss tokens), {self.total_steps} steps x {self.global_batch} seqs, "
                   f"world {self.world}" + (f", resumed at step {self.step}" if resumed else ""), flush=True)
         self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, dynamic_ncols=True,
-                        position=position, desc=self.run_dir.name if position else None)
+                        position=position, desc=None if position is None else self.run_dir.name)
         self.next_point = _next_curve_point(self.tokens_before + self.tokens_seen, self.cfg.curve_start)
 
     def after_step(self, m: dict, ntok: int, dt: float) -> None:
