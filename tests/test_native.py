@@ -226,17 +226,18 @@ def _markov_reference(anchors, base, w1, w2, w_tok, conf, d2t):
     return tokens, confs
 
 
-@pytest.mark.parametrize("vd, rank", [(300, 16), (16384, 64), (40, 7)])
-def test_markov_greedy_picks_what_the_per_position_path_picks(vd, rank):
+@pytest.mark.parametrize("vd, rank, r", [(300, 16, 3), (16384, 64, 3), (40, 7, 3), (300, 16, 11), (1000, 64, 70)])
+def test_markov_greedy_picks_what_the_per_position_path_picks(vd, rank, r):
+    """Requests go through the kernel up to 8 at a time and 64 to a call: 11 and 70 take the remainders."""
     gen = torch.Generator().manual_seed(vd)
-    vocab, r, n = vd + 500, 3, 5
+    vocab, n = vd + 500, 5
     w1 = (torch.randn(vocab, rank, generator=gen)).bfloat16()
     w2 = (torch.randn(vd, rank, generator=gen) * 0.5).bfloat16()
     w_tok = torch.randn(rank, generator=gen).bfloat16()
     base = (torch.randn(r, n + 2, vd, generator=gen) * 4).bfloat16()[:, :n]  # a strided view, as block() gives
     conf = torch.randn(r, n, generator=gen)
     d2t = torch.randperm(vocab, generator=gen)[:vd]
-    anchors = torch.tensor([0, 7, vocab - 1])
+    anchors = torch.cat([torch.tensor([0, 7, vocab - 1]), torch.randint(vocab, (r - 3,), generator=gen)])
     tokens, confs = native.markov_greedy(lib, anchors, base, w1, native.markov_pack(lib, w2), w_tok, conf, d2t)
     want, want_conf = _markov_reference(anchors, base, w1, w2, w_tok, conf, d2t)
     assert torch.equal(tokens, want)
