@@ -21,8 +21,9 @@
 - `layer.c`: a whole decoder layer of one sequence as one call (the kernels above in the Python layer's
   order, so the same bits): at batch 1 the Python between ~10 kernel calls a layer cost as much as they did.
   Likewise one call per layer of the drafter's block pass, and one for its context projection.
-- `markov.c`: greedy drafting through DSpark's vanilla Markov head, every position of a block in one
-  call (in PyTorch, ~8 ops and a 16k-row product per position, sequential by construction).
+- `markov.c`: greedy drafting through DSpark's vanilla Markov head, every position of every request's block
+  in one call (in PyTorch, ~8 ops and a 16k-row product per position, sequential by construction); a
+  position's pass over W2 serves up to 8 requests at once.
 - `vocab_loss.c`: for training, the drafter's vocabulary-sized losses and their gradient, and the target's
   soft labels, a row at a time while it sits in cache (in PyTorch, ~10-14 passes through memory over
   [rows, vocabulary] tensors each: ~2.5 s of a ~13 s training step).
