@@ -156,6 +156,26 @@ def test_code_prompts_in_each_style():
         ast.parse(p.text.split("```python\n")[1].rsplit("```", 1)[0])
 
 
+def test_package_prompts_in_the_tests_shape(monkeypatch, capsys):
+    """HumanEval-shaped prompts from an installed package's modules, in a fixed order, quietly; a package that is
+    not installed is left out, and its test modules never serve as prompts."""
+    import ast
+
+    from dspark.train import code_prompts
+
+    monkeypatch.setattr(code_prompts, "PACKAGES", {"packaging": "Apache-2.0 / BSD-2-Clause", "no_such_pkg_x": "-"})
+    prompts = code_prompts.package_test_prompts()
+    assert len(prompts) > 20 and {p.source for p in prompts} == {"package_tests"}
+    assert [p.text for p in prompts] == [p.text for p in code_prompts.package_test_prompts()]
+    assert len({p.text for p in prompts}) == len(prompts) and len(code_prompts.package_test_prompts(7)) == 7
+    assert all(p.text.startswith(code_prompts.TESTS_HEADER + "\n```python\n") for p in prompts)
+    for p in prompts:
+        ast.parse(p.text.split("```python\n")[1].rsplit("```", 1)[0])
+    assert code_prompts._package_modules("no_such_pkg_x") == []
+    assert not [m for m in code_prompts._package_modules("networkx") if ".tests" in m]
+    assert capsys.readouterr().out == ""
+
+
 @pytest.fixture(params=["kernels", "torch"])
 def vocab_route(request, monkeypatch):
     """The vocabulary-sized training work on dspark's kernels (vocab_loss.c) and on PyTorch ops alone."""

