@@ -3,9 +3,11 @@ throughput planner prices it (speculative/profile.py: each round timed right aft
 of --repeats), for a whole block (7 drafts) and for one draft, at several batch sizes; the default engine
 settings. With --compare, also the same drafter on the per-op route (the kernels' layers and context
 projection switched off); with --draft-model DIR (repeatable), other drafters beside the shipped one (a
-deeper one, a wider Markov head); all interleaved round by round in one process.
+deeper one, a wider Markov head); all interleaved round by round in one process. With --hot, also each
+round again right after itself, with no target step in between: the drafter's weights are then still in
+cache, and the difference is what bringing them back from memory costs.
 
-    .venv/bin/python bench/drafting_round.py [--sizes 1,8] [--repeats 15] [--compare] [--draft-model DIR ...]
+    .venv/bin/python bench/drafting_round.py [--sizes 1,8] [--repeats 15] [--compare] [--hot] [--draft-model DIR ...]
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ from dspark.speculative.profile import _time_step
 
 
 def round_seconds(routes: dict, dec, sizes: list[int], repeats: int, num_drafts: int | None,
-                  context: int = 256, fed: int = 2) -> tuple[float, dict]:
+                  context: int = 256, fed: int = 2, hot: bool = False) -> tuple[float, dict]:
     """(median step seconds, {(route, size): median round seconds}), routes interleaved round by round.
-    routes: name -> (drafter, (fused layers, fused context))."""
+    routes: name -> (drafter, (fused layers, fused context)). hot: also {(route + " hot", size): ...}, the
+    same round timed again straight after itself."""
     gen = torch.Generator().manual_seed(0)
     widest = max(sizes)
     target = dec.new_cache(blocks_for(context + 1 + KV_ALIGN) + 1)  # keys as one view: the engine's batch-1 path
@@ -47,12 +50,15 @@ def round_seconds(routes: dict, dec, sizes: list[int], repeats: int, num_drafts:
                 runner._fused_layers, runner._fused_context = flags
                 for r in sizes:
                     step = _time_step(dec, target, [1], context, gen)
-                    t = time.perf_counter()
-                    drafter.extend_many(caches[:r], [hidden[context - fed:]] * r, [context - fed] * r)
-                    drafter.draft(caches[:r], [1] * r, [context] * r, num_drafts=num_drafts, return_logits=False)
+                    for label in (name, f"{name} hot") if hot else (name,):
+                        t = time.perf_counter()
+                        drafter.extend_many(caches[:r], [hidden[context - fed:]] * r, [context - fed] * r)
+                        drafter.draft(caches[:r], [1] * r, [context] * r, num_drafts=num_drafts,
+                                      return_logits=False)
+                        if p:
+                            times.setdefault((label, r), []).append(time.perf_counter() - t)
                     if p:
                         steps.append(step)
-                        times.setdefault((name, r), []).append(time.perf_counter() - t)
     return statistics.median(steps), {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -61,6 +67,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,8", help="batch sizes (requests drafting together)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--compare", action="store_true", help="also the per-op route, interleaved")
+    ap.add_argument("--hot", action="store_true",
+                    help="also each round repeated straight after itself (no target step between: weights in cache)")
     ap.add_argument("--draft-model", action="append", default=[], metavar="DIR",
                     help="another DSpark drafter to time beside the shipped one (repeat for more)")
     args = ap.parse_args()
@@ -80,7 +88,7 @@ def main() -> None:
     print(f"weights: {dec.weight_format}; drafter layers fused: {runner._fused_layers}, "
           f"context fused: {runner._fused_context}")
     for n in (None, 1):
-        step, rounds = round_seconds(routes, dec, sizes, args.repeats, n)
+        step, rounds = round_seconds(routes, dec, sizes, args.repeats, n, hot=args.hot)
         label = "whole block" if n is None else "one draft"
         for (name, r), sec in sorted(rounds.items()):
             print(f"{label:11s} {name:8s} batch {r:2d}: {sec * 1e3:6.2f} ms = {sec / step:.3f} of a "
