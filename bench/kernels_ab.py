@@ -1,7 +1,8 @@
 """dspark's AVX-512 kernels as they are against the kernels of another git revision, in one process: the
 embedded model is loaded once (the packed weights are the same for both builds) and every repeat times
-a verify step of each window size, with --batch a step of several sequences, and with --draft, a whole drafting round of the shipped drafter
-(for 1 request, or each batch size listed), on one build and then the other (in turn first). Interleaved so that a noisy host moves both alike; medians per build.
+a verify step of each window size, with --batch a step of several sequences, and with --draft, a whole
+drafting round of the shipped drafter (for 1 request, or each batch size listed), on one build and then
+the other (in turn first). Interleaved so that a noisy host moves both alike; medians per build.
 
     .venv/bin/python bench/kernels_ab.py [--against HEAD] [--tokens 1,2,4,8,16] [--repeats 30] [--batch 8,32] [--draft [1,8]]
 

@@ -84,7 +84,8 @@ def _package_modules(package: str) -> list[str]:
 @contextlib.contextmanager
 def _quiet():
     """Importing a module may warn or print (deprecations, optional backends): neither reaches the user."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
         yield
 
