@@ -114,6 +114,27 @@ def test_cli_flags_and_env(monkeypatch):
     assert shard_rank(args.rank, args.world_size) == (2, 3)
 
 
+@pytest.mark.parametrize("flags", [["--code-test-prompts", "-3"], ["--sharegpt", "x"], ["--shard-size", "0"],
+                                   ["--max-tokens", "-1"], ["--start-shard", "-2"]])
+def test_train_data_refuses_bad_counts_with_a_message(flags, capsys):
+    """A negative count once took all prompts but the last N (a slice), and shard size 0 divided by zero."""
+    from dspark.train.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["train-data", "--out", "x", *flags])
+    assert e.value.code == 2 and f"argument {flags[0]}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw, match", [({"shard_size": 0}, "shard_size"), ({"max_num_seqs": 0}, "max_num_seqs"),
+                                       ({"time_limit": 0}, "time_limit")])
+def test_generate_shards_refuses_bad_sizes_before_loading_anything(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        generate_shards([Prompt("hi", "x")], tmp_path / "d", model=str(tmp_path / "no-model"), **kw)
+    assert not (tmp_path / "d").exists()
+
+
 def _cfg(model, data, run_dir, **kw) -> TrainConfig:
     base = dict(data=[str(data)], run_dir=str(run_dir), model=str(model), num_layers=1,
                 block_size=4, markov_rank=8, target_layer_ids=[0, 1], mask_token_id=16, batch_size=4,

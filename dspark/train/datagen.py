@@ -184,6 +184,12 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
     `generator`: "dense" (the dense target pass of the trainer, any device) or "engine" (the serving
     engine on the CPU, optionally with `speculative_algorithm`; greedy answers are the same tokens).
     """
+    for name, value, least in (("shard_size", shard_size, 1), ("max_tokens", max_tokens, 1),
+                               ("max_num_seqs", max_num_seqs, 1), ("start_shard", start_shard, 0)):
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
+    if time_limit is not None and not time_limit > 0:
+        raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit}")
     rank, world_size = shard_rank(rank, world_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
