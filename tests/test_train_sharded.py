@@ -125,6 +125,9 @@ def test_train_data_refuses_bad_counts_with_a_message(flags, capsys):
     with pytest.raises(SystemExit) as e:
         parser.parse_args(["train-data", "--out", "x", *flags])
     assert e.value.code == 2 and f"argument {flags[0]}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # calibrate's sizes too, before it loads the target
+        parser.parse_args(["calibrate", "--drafter", "d", "--data", "x", "--bins", "0"])
+    assert e.value.code == 2 and "argument --bins: must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kw, match", [({"shard_size": 0}, "shard_size"), ({"max_num_seqs": 0}, "max_num_seqs"),

@@ -99,13 +99,13 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                    help="a train-data directory of the target's greedy answers; its held-out split is used "
                         "(repeat: one fit over all of them, the test ECE reported for each too)")
     p.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
-    p.add_argument("--val-every-nth", type=int, default=20, help="the trainer's held-out split")
-    p.add_argument("--max-len", type=int, default=1024, help="the trainer's --max-seq-len")
-    p.add_argument("--max-anchors", type=int, default=256, help="anchors per held-out sequence")
-    p.add_argument("--bins", type=int, default=15)
+    p.add_argument("--val-every-nth", type=_positive, default=20, help="the trainer's held-out split")
+    p.add_argument("--max-len", type=_positive, default=1024, help="the trainer's --max-seq-len")
+    p.add_argument("--max-anchors", type=_positive, default=256, help="anchors per held-out sequence")
+    p.add_argument("--bins", type=_positive, default=15)
     p.add_argument("--no-offset", dest="offset", action="store_false",
                    help="temperatures only (no shared logit offset: plain STS, docs/method.md#logit-offset)")
-    p.add_argument("--max-shards", type=int, default=None, metavar="N",
+    p.add_argument("--max-shards", type=_positive, default=None, metavar="N",
                    help="the trainer's --max-shards (the held-out split is taken from the same sequences)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the dense target pass (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
