@@ -9,7 +9,8 @@
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
 D=${DSPARK_BIN:-.venv/bin/dspark}
-# 1. greedy answers (session 31 ran this beside its benchmarks, --time-limit 4200)
+# 1. greedy answers (session 31 ran this beside its benchmarks and tests: stopped after 11 shards, then rerun
+#    with GEN_SECONDS=3900)
 $D train-data --out runs/data/gen-code-31 --package-test-prompts 7855 --sharegpt 1500 \
     --skip-answered runs/data/gen-evalstyle-30 --skip-answered runs/data/gen-chat-26 \
     --max-tokens 320 --shard-size 128 --max-num-seqs 64 --time-limit "${GEN_SECONDS:-2400}"
