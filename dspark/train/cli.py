@@ -114,7 +114,7 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_data(args: argparse.Namespace) -> int:
-    from dspark.train.code_prompts import stdlib_code_prompts
+    from dspark.train.code_prompts import package_test_prompts, stdlib_code_prompts
     from dspark.train.datagen import (answered_prompts, drop_answered, generate_shards, mix_prompts, rank_shards,
                                       read_prompt_file, shard_rank, sharegpt_prompts)
 
@@ -136,8 +136,6 @@ def _train_data(args: argparse.Namespace) -> int:
         groups["stdlib_tests"] = stdlib_code_prompts(style="tests")
         limits["stdlib_tests"] = args.code_test_prompts
     if args.package_test_prompts:
-        from dspark.train.code_prompts import package_test_prompts
-
         groups["package_tests"] = package_test_prompts()
         limits["package_tests"] = args.package_test_prompts
     if args.sharegpt:
