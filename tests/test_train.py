@@ -573,3 +573,37 @@ def test_twin_options_may_change_only_the_drafter(tmp_path):
                        (["--twin", "--num-layers 4"], "its own --run-dir")):
         with pytest.raises(ValueError, match=match):
             twin_configs(p.parse_args(base + bad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_attention_forms_match_the_cpu_ones(dtype):
+    """The forms the dense target takes on CUDA (K/V heads repeated for causal SDPA; grouped matmuls for
+    masked decode attention) compute what the CPU forms do; run here on the CPU with the form forced."""
+    from dspark.train.dense_target import causal_attention, decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 9, 16, generator=g).to(dtype) for h in (6, 2, 2))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(causal_attention(q, k, v, expand=True), causal_attention(q, k, v, expand=False), **tol)
+    qd = torch.randn(3, 6, 1, 16, generator=g).to(dtype)
+    keys, vals = (torch.randn(3, 2, 11, 16, generator=g).to(dtype) for _ in range(2))
+    hidden = torch.arange(11).view(1, 1, 1, 11) > torch.tensor([3, 10, 0]).view(3, 1, 1, 1)  # lengths 4, 11, 1
+    got = decode_attention(qd, keys, vals, hidden, matmul=True)
+    torch.testing.assert_close(got, decode_attention(qd, keys, vals, hidden, matmul=False), **tol)
+    only_first = vals[2, :, :1].repeat_interleave(3, dim=0).unsqueeze(0)  # one visible key: its value, whatever q
+    torch.testing.assert_close(got[2:].float(), only_first.float().view(1, 6, 1, 16), **tol)
+
+
+def test_train_device_refuses_what_it_cannot_use(tmp_path, capsys):
+    from dspark.cli import main
+    from dspark.train.device import train_device
+
+    with pytest.raises(ValueError, match="expected auto, cpu, cuda"):
+        train_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            train_device("cuda")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    assert main(["train-data", "--out", str(tmp_path / "d"), "--prompts", str(prompts), "--device", "gpu"]) == 2
+    assert "expected auto, cpu, cuda" in capsys.readouterr().err and not (tmp_path / "d").exists()

@@ -55,6 +55,7 @@ class TrainConfig:
     target_dtype: str = "auto"  # the dense target pass computing features: auto = bf16 where supported
     compute_dtype: str = "auto"  # drafter weights and activations (auto: as target_dtype); AdamW keeps fp32 masters
     threads: int | None = None
+    device: str = "auto"  # where the target pass and the drafter run: auto = cuda:$LOCAL_RANK when CUDA is there
     feature_cache_gb: float = 0.0  # keep target passes in memory up to this many GiB (0: recompute every time)
     recipe: dict[str, Any] = field(default_factory=dict)
 
@@ -97,6 +98,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-dtype", default=d.target_dtype, choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the target computing features (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default=d.device,
+                   help="where the target pass and the drafter run: auto (cuda:$LOCAL_RANK where CUDA is "
+                        "available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--feature-cache-gb", type=float, default=d.feature_cache_gb, metavar="GB",
                    help="keep each sequence's target pass in memory (up to GB GiB) so later epochs and "
                         "validations skip it; ~14 KB a token in fp32, 7 in bf16 (default 0: recompute)")

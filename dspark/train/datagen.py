@@ -190,6 +190,9 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
             raise ValueError(f"{name} must be at least {least}, got {value}")
     if time_limit is not None and not time_limit > 0:
         raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit}")
+    from dspark.train.device import train_device
+
+    device = str(train_device(device))  # a bad or missing device fails here, before anything is written
     rank, world_size = shard_rank(rank, world_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -259,8 +262,9 @@ def load_dense_target(model: str | None, *, device: str = "cpu", dtype: str = "a
     from dspark.models.loader import load_decoder, resolve_dtype
     from dspark.train.dense_target import DenseTarget
 
-    if device == "auto":
-        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    from dspark.train.device import train_device
+
+    device = str(train_device(device))
     path = resolve_model_path(model)
     torch_dtype = resolve_dtype(dtype, device)
     decoder = load_decoder(path, dtype=torch_dtype, device=device, quantization="none")

@@ -123,7 +123,7 @@ class DenseTarget:
             q, k, v = self._qkv(layer, x, pos)
             if cache is not None:
                 cache.append((k, v))
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.hkv != self.h)
+            att = causal_attention(q, k, v)
             x = self._finish(layer, x, att)
             if i in hidden_layers:
                 taps[i] = x
@@ -151,9 +151,7 @@ class DenseTarget:
             q, k, v = self._qkv(layer, x, pos)  # [1, H or Hkv, N, hd]
             att = q.new_empty(1, ids.numel(), self.h, self.hd)  # token-major, as _finish reads it
             for a, b in zip(starts, starts[1:]):
-                att[:, a:b].copy_(F.scaled_dot_product_attention(
-                    q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                    enable_gqa=self.hkv != self.h).transpose(1, 2))
+                att[:, a:b].copy_(causal_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]).transpose(1, 2))
             x = self._finish(layer, x, att.transpose(1, 2))
             if i in hidden_layers:
                 taps[i] = x[0]
@@ -244,7 +242,7 @@ class DenseTarget:
                 temperature, top_p, top_k, gen) -> torch.Tensor:
         """One token for each active slot: write its K/V at its length, attend over its cache."""
         idx = torch.as_tensor(active, device=self.device)
-        pos = lengths[idx].to(self.device)  # [A] position of the token being fed
+        pos = lengths[active].to(self.device)  # [A] position of the token being fed (lengths stay on the CPU)
         x = self.embed[last[idx]].unsqueeze(1)  # [A, 1, d]
         lib = self._decode_kernel(kv)
         every = full = False
@@ -270,12 +268,12 @@ class DenseTarget:
                 att = native.decode_attention_bf16(lib, q[:, :, 0], kv[i, 0], kv[i, 1], idx, pos + 1)
                 att = att.view(len(active), 1, self.h, self.hd).transpose(1, 2)
             elif every:
-                att = self._decode_attention(q, kv[i, 0, :, :, :span], kv[i, 1, :, :, :span], hidden)
+                att = decode_attention(q, kv[i, 0, :, :, :span], kv[i, 1, :, :, :span], hidden)
             elif full:
                 qa = q.new_zeros(kv.shape[2], *q.shape[1:]).index_copy_(0, idx, q)
-                att = self._decode_attention(qa, kv[i, 0, :, :, :span], kv[i, 1, :, :, :span], hidden)[idx]
+                att = decode_attention(qa, kv[i, 0, :, :, :span], kv[i, 1, :, :, :span], hidden)[idx]
             else:
-                att = self._decode_attention(q, kv[i, 0, idx, :, :span], kv[i, 1, idx, :, :span], hidden)
+                att = decode_attention(q, kv[i, 0, idx, :, :span], kv[i, 1, idx, :, :span], hidden)
             x = self._finish(layer, x, att)
         return _pick(self.logits(self.norm(x[:, 0])), temperature, top_p, top_k, gen)
 
@@ -284,15 +282,6 @@ class DenseTarget:
         if self.dtype != torch.bfloat16 or kv.device.type != "cpu" or self.hd % 16 or self.hd > 256:
             return None
         return native.library()
-
-    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
-                          hidden: torch.Tensor) -> torch.Tensor:
-        """One query per slot: q [A, H, 1, hd] over keys / vals [A, Hkv, span, hd], positions where hidden
-        [A, 1, 1, span] is True masked out -> [A, H, 1, hd]. SDPA with grouped KV heads reads strided views
-        of the cache, so a batch with idle slots needs no gathered copy of the active ones' K/V; in bf16
-        it is ~8x faster than the two batched matmuls it replaced (8 against 65 ms for 64 slots x 500
-        keys on a 2-core AMX Xeon), which had made attention ~60% of a generation step."""
-        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=~hidden, enable_gqa=self.hkv != q.shape[1])
 
     # ---- checks --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -324,6 +313,42 @@ def served_pass(decoder, ids: torch.Tensor, *, logits: bool = True, hidden_layer
 def served_logits(decoder, ids: torch.Tensor) -> torch.Tensor:
     """Teacher-forced logits [L, V] of one sequence through the served decoder."""
     return served_pass(decoder, ids).logits
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand: bool | None = None) -> torch.Tensor:
+    """Causal attention of q [B, H, T, hd] over k, v [B, Hkv, T, hd] (grouped heads). On CUDA the K/V heads
+    are repeated first (`expand`, default: on CUDA): SDPA with enable_gqa fell back to its math kernel
+    there, 2 ms a call for a 500-token sequence on an H200 (torch 2.11), two thirds of a training step;
+    with plain heads it takes the flash kernel. On the CPU enable_gqa reads the shared heads in place."""
+    grouped = k.shape[1] != q.shape[1]
+    if expand is None:
+        expand = q.device.type == "cuda"
+    if grouped and expand:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        grouped = False
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, hidden: torch.Tensor,
+                     matmul: bool | None = None) -> torch.Tensor:
+    """One query per slot: q [A, H, 1, hd] over keys / vals [A, Hkv, span, hd], positions where hidden
+    [A, 1, 1, span] is True masked out -> [A, H, 1, hd]. On the CPU, SDPA with grouped KV heads reads
+    strided views of the cache, ~8x faster in bf16 than two batched matmuls (8 against 65 ms for 64 slots
+    x 500 keys on a 2-core AMX Xeon). On CUDA (`matmul`, default: on CUDA) the two matmuls run with each
+    KV head's queries grouped, since a masked grouped SDPA there took the math kernel (2 ms a layer for
+    256 slots on an H200, half of a generation step)."""
+    if matmul is None:
+        matmul = q.device.type == "cuda"
+    if not matmul:
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=~hidden, enable_gqa=keys.shape[1] != q.shape[1])
+    a, h, _, hd = q.shape
+    hkv = keys.shape[1]
+    qg = q.reshape(a, hkv, h // hkv, hd)  # [A, Hkv, G, hd]: the queries of the heads sharing a KV head
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * hd ** -0.5  # [A, Hkv, G, span]
+    scores.masked_fill_(hidden, float("-inf"))  # hidden [A, 1, 1, span] broadcasts over heads and groups
+    out = torch.matmul(scores.softmax(-1).to(vals.dtype), vals)  # [A, Hkv, G, hd]
+    return out.reshape(a, h, 1, hd)
 
 
 def _length_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dspark.drafters import DrafterConfig, DSparkDrafter, block_labels
 from dspark.models.loader import resolve_dtype
 from dspark.train.config import TrainConfig, config_from_args, twin_configs
+from dspark.train.device import train_device
 from dspark.train.features import FeatureCache, TargetBatch, soft_labels, target_batch
 from dspark.train.losses import combine, dspark_loss_parts, position_weights, summarize
 from dspark.train.memory import keep_freed_memory, release_freed_memory
@@ -115,9 +116,8 @@ class Trainer:
         keep_freed_memory()  # train/memory.py: a step's large temporaries reuse the heap (trimmed after it)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.rank, self.world = _init_distributed()
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available()
-                                   else "cpu")
+        self.device = train_device(cfg.device)
+        self.rank, self.world = _init_distributed(self.device)
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if share_target is None:
@@ -444,7 +444,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optim"])
         self.step, self.tokens_seen, self.wall = int(state["step"]), int(state["tokens_seen"]), float(state["wall"])
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the training device
         random.setstate(state["py_rng"])
         self._forget_log_after(self.step)
         return True
@@ -645,21 +645,28 @@ def _next_curve_point(tokens: int, start: int) -> int:
 
 
 # ---- distributed helpers ---------------------------------------------------------------------------
-def _init_distributed() -> tuple[int, int]:
+def _init_distributed(device: torch.device) -> tuple[int, int]:
     """(rank, world) from torchrun's environment; gloo on CPU, NCCL on GPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
         dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
 
 
 def _all_reduce(t: torch.Tensor, world: int) -> None:
-    if world > 1:
+    """Sum over ranks in place; NCCL reduces only CUDA tensors, so a CPU one goes through the GPU."""
+    if world <= 1:
+        return
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":
+        moved = t.cuda()
+        dist.all_reduce(moved)
+        t.copy_(moved)
+    else:
         dist.all_reduce(t)
 
 
