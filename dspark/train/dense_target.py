@@ -205,13 +205,15 @@ class DenseTarget:
             if not active:
                 continue
             nxt = self._decode(kv, last, lengths, active, temperature, top_p, top_k, gen)
+            # whole-batch updates: per-slot writes were one tiny copy each, a CUDA launch each on a GPU
+            last[torch.as_tensor(active, device=self.device)] = nxt
+            lengths[active] += 1
+            grown = lengths.tolist()
             for slot, tok in zip(active, nxt.tolist()):
-                lengths[slot] += 1
                 outs[owner[slot]].append(tok)
-                last[slot] = tok
                 if tok in self.eos:
                     finish(slot, "stop")
-                elif len(outs[owner[slot]]) >= max_tokens or lengths[slot] >= max_len:
+                elif len(outs[owner[slot]]) >= max_tokens or grown[slot] >= max_len:
                     finish(slot, "length")
         return results  # type: ignore[return-value]
 
