@@ -204,9 +204,10 @@ class DenseTarget:
             active = [s for s in range(nb) if owner[s] >= 0]
             if not active:
                 continue
-            nxt = self._decode(kv, last, lengths, active, temperature, top_p, top_k, gen)
+            idx = torch.as_tensor(active, device=self.device)
+            nxt = self._decode(kv, last, lengths, active, idx, temperature, top_p, top_k, gen)
             # whole-batch updates: per-slot writes were one tiny copy each, a CUDA launch each on a GPU
-            last[torch.as_tensor(active, device=self.device)] = nxt
+            last[idx] = nxt
             lengths[active] += 1
             grown = lengths.tolist()
             for slot, tok in zip(active, nxt.tolist()):
@@ -240,10 +241,10 @@ class DenseTarget:
         last_h = torch.stack([x for _, x in sorted(last_h, key=lambda e: e[0])])
         return _pick(self.logits(last_h), temperature, top_p, top_k, gen)
 
-    def _decode(self, kv, last: torch.Tensor, lengths: torch.Tensor, active: list[int],
+    def _decode(self, kv, last: torch.Tensor, lengths: torch.Tensor, active: list[int], idx: torch.Tensor,
                 temperature, top_p, top_k, gen) -> torch.Tensor:
-        """One token for each active slot: write its K/V at its length, attend over its cache."""
-        idx = torch.as_tensor(active, device=self.device)
+        """One token for each active slot (`active`, and as `idx` on the device): write its K/V at its length,
+        attend over its cache."""
         pos = lengths[active].to(self.device)  # [A] position of the token being fed (lengths stay on the CPU)
         x = self.embed[last[idx]].unsqueeze(1)  # [A, 1, d]
         lib = self._decode_kernel(kv)
