@@ -3,15 +3,17 @@ throughput planner prices it (speculative/profile.py: each round timed right aft
 of --repeats), for a whole block (7 drafts) and for one draft, at several batch sizes; the default engine
 settings. With --compare, also the same drafter on the per-op route (the kernels' layers and context
 projection switched off); with --draft-model DIR (repeatable), other drafters beside the shipped one (a
-deeper one, a wider Markov head); all interleaved round by round in one process. With --hot, also each
+deeper one, a wider Markov head); with --4bit, the shipped one again with its matrices on the 4-bit kernel
+(`--speculative-draft-model-quantization int4`); all interleaved round by round in one process. With --hot, also each
 round again right after itself, with no target step in between: the drafter's weights are then still in
 cache, and the difference is what bringing them back from memory costs.
 
-    .venv/bin/python bench/drafting_round.py [--sizes 1,8] [--repeats 15] [--compare] [--hot] [--draft-model DIR ...]
+    .venv/bin/python bench/drafting_round.py [--sizes 1,8] [--repeats 15] [--compare] [--hot] [--4bit] [--draft-model DIR ...]
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import statistics
 import time
@@ -69,6 +71,8 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true", help="also the per-op route, interleaved")
     ap.add_argument("--hot", action="store_true",
                     help="also each round repeated straight after itself (no target step between: weights in cache)")
+    ap.add_argument("--4bit", dest="four_bit", action="store_true",
+                    help="also the shipped drafter with 4-bit matrices, interleaved")
     ap.add_argument("--draft-model", action="append", default=[], metavar="DIR",
                     help="another DSpark drafter to time beside the shipped one (repeat for more)")
     args = ap.parse_args()
@@ -79,6 +83,9 @@ def main() -> None:
     routes = {"kernels": (drafter, (runner._fused_layers, runner._fused_context))}
     if args.compare:
         routes["per-op"] = (drafter, (False, False))
+    if args.four_bit:
+        w4 = copy.deepcopy(drafter).pack(weight_bits=4)
+        routes["4-bit"] = (w4, (w4.runner()._fused_layers, w4.runner()._fused_context))
     for path in args.draft_model:  # built as the engine builds its drafter, on the same target
         spec = dataclasses.replace(llm.config.speculative, draft_model=path)
         other = build_proposer(spec, llm.decoder, llm.model_path).drafter

@@ -8,7 +8,7 @@ import os
 from dspark.config import EngineConfig
 from dspark.errors import ConfigError
 from dspark.models.loader import DTYPE_CHOICES, QUANTIZATION_CHOICES
-from dspark.speculative.config import Algorithm, PlannerKind, SpsProfile, VerifyMode, choices
+from dspark.speculative.config import Algorithm, DraftQuantization, PlannerKind, SpsProfile, VerifyMode, choices
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +29,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-algorithm", type=str.upper, default="NONE", choices=choices(Algorithm))
     g.add_argument("--speculative-draft-model-path", dest="draft_model", default=None,
                    help="drafter directory (default for DSPARK / DFLASH: the shipped drafter)")
+    g.add_argument("--speculative-draft-model-quantization", dest="draft_quantization", default="auto",
+                   choices=choices(DraftQuantization),
+                   help="the drafter's matrices: auto (int8 where dspark's kernels run), int8, or int4 (4-bit "
+                        "groups, round to nearest: fewer bytes a round; needs dspark's AVX-512 kernels)")
     g.add_argument("--speculative-dspark-block-size", dest="block_size", type=int, default=None,
                    help="drafts per round (gamma); default: the drafter's")
     g.add_argument("--speculative-num-draft-tokens", dest="num_draft_tokens", type=int, default=None,
@@ -57,7 +61,8 @@ SPECULATIVE_FLAGS = {
     "planner": "--speculative-dspark-planner", "threshold": "--speculative-dspark-threshold",
     "skip_drafting": "--speculative-dspark-no-skip-drafting", "min_gain": "--speculative-dspark-min-gain",
     "sps_table": "--speculative-dspark-sps-table-path", "sps_profile": "--speculative-dspark-sps-profile",
-    "sts_path": "--speculative-dspark-confidence-sts-path", "verify_mode": "--ragged-verify-mode"}
+    "sts_path": "--speculative-dspark-confidence-sts-path", "verify_mode": "--ragged-verify-mode",
+    "draft_quantization": "--speculative-draft-model-quantization"}
 
 
 def model_options(args: argparse.Namespace) -> dict:
@@ -81,7 +86,8 @@ def speculative_options(args: argparse.Namespace, sps_profile: str = "full") -> 
     return dict(speculative_algorithm=args.speculative_algorithm, draft_model=args.draft_model,
                 num_speculative_tokens=drafts, planner=args.planner, threshold=args.threshold,
                 sps_table=args.sps_table, sts_path=args.sts_path, verify_mode=mode, skip_drafting=args.skip_drafting,
-                min_gain=args.min_gain, sps_profile=args.sps_profile or sps_profile)
+                min_gain=args.min_gain, sps_profile=args.sps_profile or sps_profile,
+                draft_quantization=args.draft_quantization)
 
 
 def engine_config(options: dict, flags: dict[str, str] | None = None, check_files: bool = False) -> EngineConfig:

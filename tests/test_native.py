@@ -3,6 +3,8 @@ gives a row the same bits whatever the other rows of the call; a decoder on them
 ops alone; the library is built once and can be switched off."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,6 +66,16 @@ def test_int4_kernel_matches_the_dequantized_weight(shape, matmul_path):
 def test_int4_linear_uses_the_kernel():
     lin = Int4Linear(torch.randn(64, 64) * 0.02)
     assert "dspark kernel" in repr(lin) and lin.scale_zero is None
+
+
+def test_int4_linear_takes_any_out_features_on_the_kernel():
+    """40 outputs (not a multiple of 16, as a drafter's head with its confidence row): the rows are padded
+    inside, the output is the first 40 of the same weight padded by hand."""
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(0)) * 0.02
+    x = _rows(5, 64).to(torch.bfloat16)
+    y = Int4Linear(w)(x)
+    padded = Int4Linear(torch.cat([w, w.new_zeros(8, 64)]))(x)
+    assert y.shape == (5, 40) and torch.equal(y, padded[:, :40])
 
 
 def test_rms_norm_kernel_matches_reference_and_adds_the_residual():
@@ -306,3 +318,36 @@ def test_packed_drafter_on_kernels_drafts_like_the_pytorch_route(head_dim):
             return (out[name].logits.float() - out["fp32"].logits).abs().mean()
 
         assert err("kernels") <= 1.25 * err("torch")
+
+
+def test_4bit_drafter_computes_its_weights_on_the_fused_calls():
+    """pack(weight_bits=4): every projection and the LM head on the 4-bit kernel, layers and context projection
+    as fused calls (head_dim 32). On weights that already are 4-bit groups the 4-bit route loses nothing the
+    8-bit one keeps: both round the rows to 8 bits, so against the fp32 drafter the 4-bit round must be no
+    further off than the 8-bit round (a wrong layout or argument would be far off)."""
+    exact = _drafter(torch.float32, pack=False, head_dim=32)
+    with torch.no_grad():  # every packed matrix onto its 4-bit grid (in fp32)
+        mats = [exact.fc.weight, exact.lm_head] + [m.weight for layer in exact.layers for m in layer.modules()
+                                                   if isinstance(m, torch.nn.Linear)]
+        for w in mats:
+            rows = -(-w.shape[0] // 16) * 16
+            codes, step, lo, _ = fit_int4(torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])]))
+            grid = codes.float().view(rows, -1, GROUP) * step[..., None] + lo[..., None]
+            w.copy_(grid.view(rows, -1)[:w.shape[0]])
+    w4 = copy.deepcopy(exact).to(torch.bfloat16).pack(weight_bits=4)
+    w8 = copy.deepcopy(exact).to(torch.bfloat16).pack()
+    runner = w4.runner()
+    assert runner._w4 and runner._fused_layers and runner._fused_context and not w8.runner()._w4
+    assert all(isinstance(lin, Int4Linear) for lin in (runner.fc, runner.ctx_kv, runner.head, runner.layers[0].qkv,
+                                                       runner.layers[1].down))
+    feats = torch.randn(40, 2 * 64, generator=torch.Generator().manual_seed(4))
+    lengths, anchors = [31, 9, 20], [11, 200, 3]
+    out = {}
+    for name, m in (("w4", w4), ("w8", w8), ("fp32", exact)):
+        caches = [m.new_cache() for _ in lengths]
+        m.extend_many(caches, [feats[:n].to(m.fc.weight.dtype) for n in lengths], [0] * len(lengths))
+        out[name] = m.draft(caches, anchors, lengths)
+    err = {k: (out[k].logits.float() - out["fp32"].logits).abs().mean().item() for k in ("w4", "w8")}
+    assert err["w4"] <= 1.25 * err["w8"], err
+    with pytest.raises(ValueError, match="weight_bits must be 4 or 8"):
+        _drafter(pack=False).pack(weight_bits=2)

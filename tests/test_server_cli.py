@@ -39,6 +39,8 @@ def _cases(tiny: str, files) -> list[tuple[list[str], str]]:
           "--speculative-num-draft-tokens", "5"], "must equal --speculative-dspark-block-size + 1 (4)"),
         (["--speculative-algorithm", "NONE", "--speculative-draft-model-path", empty], "only used by DSPARK"),
         (["--speculative-algorithm", "NGRAM", "--speculative-draft-model-path", empty], "only used by DSPARK"),
+        (["--speculative-algorithm", "NGRAM", "--speculative-draft-model-quantization", "int4"],
+         "--speculative-draft-model-quantization: draft_quantization is only used by DSPARK"),
         (["--speculative-algorithm", "NONE", "--speculative-num-draft-tokens", "4"], "needs speculative_algorithm NGRAM"),
         (["--speculative-algorithm", "NGRAM", "--speculative-dspark-sps-table-path", sps], "only used with"),
         (["--speculative-algorithm", "DFLASH", "--speculative-dspark-confidence-sts-path", sps], "only used with"),

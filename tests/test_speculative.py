@@ -139,10 +139,32 @@ def test_seeded_sampling_reproducible(tiny_llama_dir, drafters, sps_file):
     (dict(dtype="float8"), "dtype must be one of"),
     (dict(block_size=4), "unknown engine option 'block_size'"),
     (dict(speculative_algorithm="NGRAM", draft_model="x"), "draft_model"),
+    (dict(speculative_algorithm="NGRAM", draft_quantization="int4"), "draft_quantization is only used by DSPARK"),
+    (dict(speculative_algorithm="DSPARK", draft_quantization="int2"), "draft_quantization must be one of"),
 ])
 def test_bad_speculative_options(tiny_llama_dir, kw, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny_llama_dir, **kw)
+
+
+def test_int4_drafter_is_lossless_and_needs_the_kernels(tiny_llama_dir, drafters, sps_file):
+    """draft_quantization="int4": the drafter's projections and head on the 4-bit kernel, greedy output still
+    plain decoding's (bf16 target, both planners that verify); where the kernel cannot run, a clear error."""
+    from dspark.models import native
+    from dspark.models.int4 import Int4Linear
+
+    with pytest.raises(ValueError, match="int4 needs dspark's AVX-512 kernels and a bf16 target"):
+        LLM(tiny_llama_dir, dtype="float32", speculative_algorithm="DSPARK", draft_model=drafters["DSPARK"],
+            planner="fixed", draft_quantization="int4")
+    if native.library() is None:
+        pytest.skip(f"dspark's kernels do not run here: {native.why()}")
+    plain = [o.token_ids for o in LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_mb=8).generate(PROMPTS, GREEDY)]
+    for kw in (dict(planner="fixed"), dict(sps_table=sps_file)):
+        llm = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_mb=8, speculative_algorithm="DSPARK",
+                  draft_model=drafters["DSPARK"], draft_quantization="int4", **kw)
+        runner = llm.engine.proposer.drafter.runner()
+        assert runner._w4 and isinstance(runner.head, Int4Linear) and isinstance(runner.fc, Int4Linear)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
 
 
 def test_drafter_mismatch_and_missing(tiny_llama_dir, drafters, tmp_path):

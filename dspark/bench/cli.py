@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from dspark.cli_args import add_model_args, add_speculative_args
-from dspark.speculative.config import VerifyMode, choices
+from dspark.speculative.config import DraftQuantization, VerifyMode, choices
 
 # --quick: a smoke run of a minute or two: plain decoding against DSpark's default planner only
 QUICK = {"num_prompts": 2, "max_tokens": 32, "repeats": 1, "methods": "ar,dspark-throughput"}
@@ -66,6 +66,8 @@ def register(sub) -> None:
     o.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     o.add_argument("--dspark-draft-model", default=None, help="DSpark drafter (default: the shipped one)")
     o.add_argument("--dflash-draft-model", default=None, help="DFlash drafter (default: the shipped one)")
+    o.add_argument("--draft-quantization", default="auto", choices=choices(DraftQuantization),
+                   help="both drafters' matrices (--speculative-draft-model-quantization; default: auto)")
     o.add_argument("--sps-table", default=None, help="SPS JSON for the throughput planner (default: profile once)")
     o.add_argument("--sts-path", default=None, help="STS JSON for DSpark (default: the drafter's)")
     o.add_argument("--threshold", type=float, default=0.5, help="for dspark-threshold")
@@ -163,7 +165,8 @@ def offline(args) -> int:
                         seed=args.seed, raw=args.raw, ignore_eos=args.ignore_eos, progress=not args.no_progress)
     setup = Setup(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
                   dspark_draft=args.dspark_draft_model,
-                  dflash_draft=args.dflash_draft_model, sps_table=args.sps_table, sts_path=args.sts_path,
+                  dflash_draft=args.dflash_draft_model, draft_quantization=args.draft_quantization,
+                  sps_table=args.sps_table, sts_path=args.sts_path,
                   threshold=args.threshold, verify_mode=args.verify_mode, gguf=args.gguf,
                   llama_p_min=args.llama_p_min)
     result = run_offline(datasets, cfg, setup)

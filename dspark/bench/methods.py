@@ -85,6 +85,7 @@ class Setup:
     device: str = "cpu"
     dspark_draft: str | None = None
     dflash_draft: str | None = None
+    draft_quantization: str = "auto"  # both drafters' matrices (SpeculativeConfig.draft_quantization)
     sps_table: str | None = None
     sts_path: str | None = None
     threshold: float = 0.5
@@ -105,6 +106,7 @@ class EngineMethod:
         if algo in ("DSPARK", "DFLASH"):
             kw.setdefault("draft_model", setup.dspark_draft if algo == "DSPARK" else setup.dflash_draft)
             kw.setdefault("sts_path", setup.sts_path if algo == "DSPARK" else None)
+            kw.setdefault("draft_quantization", setup.draft_quantization)
         if algo == "DSPARK":
             kw.setdefault("threshold", setup.threshold)
         if algo != "NONE":

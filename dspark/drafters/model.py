@@ -172,10 +172,11 @@ class DSparkDrafter(Backbone):
     _runner: DraftRunner | None = None
     _runner_key: tuple | None = None
 
-    def pack(self) -> "DSparkDrafter":
-        """Inference on a CPU: draft with fused weights in dspark's 8-bit kernels' or oneDNN's packed layout
-        (drafters/runner.py), built once from the weights as they are now; training must use an unpacked drafter."""
-        self._runner, self._runner_key = DraftRunner(self, pack=True), None
+    def pack(self, weight_bits: int = 8) -> "DSparkDrafter":
+        """Inference on a CPU: draft with fused weights in dspark's 8-bit kernels' (or, weight_bits=4, its 4-bit
+        kernel's) or oneDNN's packed layout (drafters/runner.py), built once from the weights as they are now;
+        training must use an unpacked drafter."""
+        self._runner, self._runner_key = DraftRunner(self, pack=True, weight_bits=weight_bits), None
         return self
 
     def runner(self) -> DraftRunner:

@@ -17,7 +17,9 @@ of a round that the drafts' survival pays back is worth spending. Here:
 On a CPU with packed bf16 kernels every matrix is in oneDNN's packed layout. Where dspark's kernels
 run (models/native.py) the matrices are 8-bit groups of 32 instead, multiplied by rows rounded to 8-bit
 groups on VNNI (q8_vnni_mm.c: half the bytes of bf16, and faster than oneDNN's bf16 at every row count
-measured, 1 to 224; the rounding moves a draft's logits by under 1%); attention is the kernels' fp32
+measured, 1 to 224; the rounding moves a draft's logits by under 1%), or with weight_bits=4
+(`draft_quantization="int4"`) 4-bit groups on the target's kernel (int4_mm.c; about half the bytes, the
+shipped drafter's tau within 0.01); attention is the kernels' fp32
 row-at-a-time attention over one key matrix per head, with RoPE and the block's K/V write in one call;
 and greedy drafts through the vanilla Markov head are picked for every position in one call (markov.c)
 instead of ~8 PyTorch ops per position. Drafts need not be bit-identical between batch shapes
@@ -39,18 +41,21 @@ import torch.nn.functional as F
 from dspark.drafters.blocks import block_positions, draft_mask
 from dspark.drafters.cache import DrafterCache
 from dspark.models import native, native_avx2
+from dspark.models.int4 import Int4Linear
 from dspark.models.layers import apply_rotary
 from dspark.models.q8 import GROUP as Q8_GROUP, Q8Linear
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Linear:
-    """x [..., in] -> [..., out]: dspark's 8-bit kernels (VNNI on bf16 rows, AVX2 on fp32 rows), or a packed
-    oneDNN call, or F.linear on the tensors as they are."""
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, bits: int = 8) -> Linear:
+    """x [..., in] -> [..., out]: dspark's 8-bit kernels (VNNI on bf16 rows, AVX2 on fp32 rows), their 4-bit
+    one (bits=4, bf16 rows), or a packed oneDNN call, or F.linear on the tensors as they are."""
     weight = weight.detach().contiguous()
     bias = None if bias is None else bias.detach()
     if pack:
+        if bits == 4 and weight.dtype == torch.bfloat16 and weight.shape[1] % Q8_GROUP == 0 and native.library() is not None:
+            return Int4Linear(weight, bias)
         if weight.dtype == torch.bfloat16 and weight.shape[1] % Q8_GROUP == 0 and native.library() is not None:
             return Q8Linear(weight, bias, out_dtype=torch.bfloat16, vnni=True)
         if weight.dtype == torch.float32 and weight.shape[1] % Q8_GROUP == 0 and native_avx2.library() is not None:
@@ -61,33 +66,39 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Line
     return partial(F.linear, weight=weight, bias=bias)
 
 
-def _fused(linears, pack: bool) -> Linear:
+def _fused(linears, pack: bool, bits: int = 8) -> Linear:
     """nn.Linears over the same input as one call: their outputs side by side."""
     bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
-    return _linear(torch.cat([lin.weight for lin in linears]), bias, pack)
+    return _linear(torch.cat([lin.weight for lin in linears]), bias, pack, bits)
+
+
+def _on_kernel(lin: Linear, w4: bool) -> bool:
+    """Whether a projection is one the fused kernel calls take (csrc/layer.c): no bias or padded rows, on
+    the 4-bit kernel where w4, else the 8-bit VNNI one."""
+    if w4:
+        return isinstance(lin, Int4Linear) and lin._native and lin.bias is None and lin._rows == lin.out_features
+    return isinstance(lin, Q8Linear) and lin.vnni and lin.bias is None and lin._rows == lin.out_features
 
 
 class _Layer:
     """One drafter layer's fused weights (norm modules are the drafter's own)."""
 
-    def __init__(self, layer, pack: bool):
+    def __init__(self, layer, pack: bool, bits: int):
         a = layer.self_attn
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm = a.q_norm if a.qk_norm else None
         self.k_norm = a.k_norm if a.qk_norm else None
-        self.qkv = _fused([a.q_proj, a.k_proj, a.v_proj], pack)
-        self.o = _linear(a.o_proj.weight, a.o_proj.bias, pack)
-        self.gate_up = _linear(layer.mlp.gate_up.weight, layer.mlp.gate_up.bias, pack)
-        self.down = _linear(layer.mlp.down.weight, layer.mlp.down.bias, pack)
+        self.qkv = _fused([a.q_proj, a.k_proj, a.v_proj], pack, bits)
+        self.o = _linear(a.o_proj.weight, a.o_proj.bias, pack, bits)
+        self.gate_up = _linear(layer.mlp.gate_up.weight, layer.mlp.gate_up.bias, pack, bits)
+        self.down = _linear(layer.mlp.down.weight, layer.mlp.down.bias, pack, bits)
         self.intermediate = layer.mlp.intermediate
 
 
-def _fusable(layer: _Layer, head_dim: int) -> bool:
-    """Whether a layer runs as one kernel call (dspark_drafter_layer): 8-bit VNNI projections without
-    biases or padding, shapes the kernels take."""
-    linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    return (all(isinstance(lin, Q8Linear) and lin.vnni and lin.bias is None and lin._rows == lin.out_features
-                for lin in linears)
+def _fusable(layer: _Layer, head_dim: int, w4: bool) -> bool:
+    """Whether a layer runs as one kernel call (dspark_drafter_layer): projections _on_kernel, shapes the
+    kernels take."""
+    return (all(_on_kernel(lin, w4) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
             and head_dim % 32 == 0 and layer.intermediate % 16 == 0)
 
 
@@ -120,7 +131,11 @@ class DraftRunner:
     """Inference-only: extend_many() and draft() of a DSparkDrafter on fused weights. Built from the
     drafter's weights as they are; build a new one after the weights change."""
 
-    def __init__(self, drafter, pack: bool = False):
+    def __init__(self, drafter, pack: bool = False, weight_bits: int = 8):
+        """pack: the inference layouts (see the module docstring); weight_bits: 4 puts every projection and the
+        LM head on dspark's 4-bit kernel (round to nearest, groups of 32) where it runs, 8 the default."""
+        if weight_bits not in (4, 8):
+            raise ValueError(f"drafter weight_bits must be 4 or 8, got {weight_bits}")
         c = drafter.config
         self.drafter = drafter
         self.num_heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -128,15 +143,16 @@ class DraftRunner:
         self._ctx_buf: torch.Tensor | None = None  # see _context
         # attention and greedy picks on dspark's AVX-512 kernels (bf16 drafters; an fp32 one runs PyTorch's ops there)
         self._native = pack and native.library() is not None and drafter.fc.weight.dtype == torch.bfloat16
-        self.layers = [_Layer(layer, pack) for layer in drafter.layers]
-        self.fc = _linear(drafter.fc.weight, None, pack)
+        bits = weight_bits
+        self.layers = [_Layer(layer, pack, bits) for layer in drafter.layers]
+        self.fc = _linear(drafter.fc.weight, None, pack, bits)
         attns = [layer.self_attn for layer in drafter.layers]
-        self.ctx_kv = _fused([lin for a in attns for lin in (a.k_proj, a.v_proj)], pack)
+        self.ctx_kv = _fused([lin for a in attns for lin in (a.k_proj, a.v_proj)], pack, bits)
         self.ctx_k_norms = [a.k_norm for a in attns] if c.qk_norm else None
         d, mh, conf = c.hidden_size, drafter.markov_head, drafter.confidence_head
         w_conf = conf.proj.weight.detach() if conf is not None else None  # [1, d (+ r)]
         head = drafter.lm_head if conf is None else torch.cat([drafter.lm_head, w_conf[:, :d]])
-        self.head = _linear(head, None, pack)  # [Vd (+1 confidence row)]
+        self.head = _linear(head, None, pack, bits)  # [Vd (+1 confidence row)]
         self.conf = conf  # its bias is read at each call: an STS offset may be folded in after packing
         self.markov = mh
         self.token_rows: Linear | None = None  # vanilla head: W1[x] -> [Markov bias ; confidence token half]
@@ -148,10 +164,10 @@ class DraftRunner:
                 self.token_rows = _linear(w2 if w_tok is None else torch.cat([w2, w_tok]), None, pack)
             elif w_tok is not None:
                 self.conf_token = _linear(w_tok, None, pack)
-        self._fused_layers = self._native and all(_fusable(layer, c.head_dim) for layer in self.layers)
+        self._w4 = isinstance(self.fc, Int4Linear)  # the fused calls' projections are 4-bit
+        self._fused_layers = self._native and all(_fusable(layer, c.head_dim, self._w4) for layer in self.layers)
         self._fused_context = (self._native and c.head_dim % 32 == 0 and c.hidden_size % 16 == 0
-                               and all(isinstance(lin, Q8Linear) and lin.vnni and lin._rows == lin.out_features
-                                       for lin in (self.fc, self.ctx_kv)))
+                               and all(_on_kernel(lin, self._w4) for lin in (self.fc, self.ctx_kv)))
         self._ctx_k_gains = (None if self.ctx_k_norms is None else  # [layers, hd] fp32, for the fused call
                              torch.stack([norm._cached_weight(None) for norm in self.ctx_k_norms]).contiguous())
         self._chain = None  # (W1, packed W2, confidence token half): greedy picks in one call (markov.c)
@@ -194,7 +210,7 @@ class DraftRunner:
             dr.hidden_norm.eps, self.ctx_kv.packed.data_ptr(), layers, hkv, hd,
             None if norms is None else norms.data_ptr(), 1e-6 if norms is None else self.ctx_k_norms[0].eps,
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), scratch.data_ptr(), xq.data_ptr(),
-            e.data_ptr(), sx.data_ptr(), torch.get_num_threads())
+            e.data_ptr(), sx.data_ptr(), int(self._w4), torch.get_num_threads())
         return out
 
     @torch.no_grad()
@@ -318,7 +334,7 @@ class DraftRunner:
                 1e-6 if layer.q_norm is None else layer.q_norm.eps, h, hkv, hd, inter, pos.data_ptr(),
                 cos.data_ptr(), sin.data_ptr(), hd ** -0.5, ctx[i].data_ptr(), ctx.shape[4], slots.data_ptr(),
                 mask.data_ptr(), scratch.data_ptr(), q_buf.data_ptr(), xq.data_ptr(), e.data_ptr(), sx.data_ptr(),
-                torch.get_num_threads())
+                int(self._w4), torch.get_num_threads())
             x, xn = x_out, xn_out
         return xn
 

@@ -99,20 +99,26 @@ def int4_kernel(dtype: torch.dtype, device: torch.device | str) -> str | None:
 
 class Int4Linear(nn.Module):
     """Inference-only stand-in for an `nn.Linear` with 4-bit grouped weights: bf16 in and out, or fp32 in and
-    out on the AVX2 kernel (dtype float32)."""
+    out on the AVX2 kernel (dtype float32). On dspark's kernels any out_features (the rows are padded to a
+    multiple of 16, the output is not)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  fit: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
                  dtype: torch.dtype = torch.bfloat16):
         """fit: fit_int4(weight) when the caller already has it. dtype: the rows' (see int4_kernel)."""
         super().__init__()
-        if not _shape_ok(weight):
-            raise ValueError(f"int4 needs out_features % 16 == 0 and in_features % {GROUP} == 0, "
-                             f"got {tuple(weight.shape)}")
-        self.out_features, self.in_features = weight.shape
         kernel = int4_kernel(dtype, "cpu")
         if kernel is None:
             raise ValueError(f"no 4-bit kernel takes {str(dtype).removeprefix('torch.')} rows here")
+        if not (_shape_ok(weight) or (kernel != "torch" and weight.dim() == 2 and weight.shape[1] % GROUP == 0)):
+            raise ValueError(f"int4 needs in_features % {GROUP} == 0 (and out_features % 16 == 0 on PyTorch's "
+                             f"kernel), got {tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self._rows = -(-self.out_features // 16) * 16  # dspark's kernels: rows padded, the output is not
+        if self._rows != self.out_features:
+            fit = None
+            weight = torch.cat([weight.detach().float(), weight.new_zeros(self._rows - self.out_features,
+                                                                          self.in_features).float()])
         codes, step, lo, _ = fit or fit_int4(weight)
         self._kernel = kernel  # a str: modules stay deep-copyable
         self._native = kernel == "dspark"
@@ -130,10 +136,11 @@ class Int4Linear(nn.Module):
         rows = x if flat else x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        if self._native:
-            y = native.int4_mm(native.loaded(), rows.contiguous(), self.packed, self.out_features)
-        elif self._kernel == "avx2":
-            y = native_avx2.matmul(rows, self.packed, self.out_features, 4)
+        if self._kernel != "torch":
+            y = (native.int4_mm(native.loaded(), rows.contiguous(), self.packed, self._rows) if self._native
+                 else native_avx2.matmul(rows, self.packed, self._rows, 4))
+            if self._rows != self.out_features:
+                y = y[:, :self.out_features]
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP, self.scale_zero)
         if self.bias is not None:

@@ -33,6 +33,15 @@ class VerifyMode(StrEnum):
     CAP_ACCEPT = "cap-accept"  # verify every draft, commit only the planned window (the acceptance ceiling)
 
 
+class DraftQuantization(StrEnum):
+    """The drafter's matrices at inference (drafters/runner.py); drafts need not be exact, verification keeps
+    the output lossless whatever they are."""
+
+    AUTO = "auto"  # int8 where dspark's kernels run, else packed in the drafter's dtype
+    INT8 = "int8"  # 8-bit groups of 32 (where dspark's kernels run)
+    INT4 = "int4"  # 4-bit groups of 32, round to nearest: about half int8's bytes; needs dspark's AVX-512 kernels
+
+
 class SpsProfile(StrEnum):
     """What a start with no SPS table measures (speculative/profile.py)."""
 
@@ -68,12 +77,13 @@ class SpeculativeConfig:
     sts_path: str | None = None  # STS temperatures; None = those shipped with the drafter
     verify_mode: VerifyMode = VerifyMode.COMPACT
     sps_profile: SpsProfile = SpsProfile.FULL  # with no SPS table: what to profile
+    draft_quantization: DraftQuantization = DraftQuantization.AUTO  # the drafter's matrices (SGLang's name)
 
     def __post_init__(self) -> None:
         algo = parse(Algorithm, "speculative_algorithm", str(self.algorithm or "NONE").upper())
         object.__setattr__(self, "algorithm", algo)
         for key, enum in (("planner", PlannerKind), ("verify_mode", VerifyMode), ("sps_profile", SpsProfile),
-                          ("throughput_variant", ThroughputVariant)):
+                          ("throughput_variant", ThroughputVariant), ("draft_quantization", DraftQuantization)):
             object.__setattr__(self, key, parse(enum, key, getattr(self, key)))
         n = self.num_speculative_tokens
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64):
@@ -89,6 +99,8 @@ class SpeculativeConfig:
             raise ConfigError("min_gain", f"min_gain must be a number in [0, 1), got {self.min_gain!r}")
         if not self.uses_drafter and self.draft_model is not None:
             raise ConfigError("draft_model", f"draft_model is only used by DSPARK and DFLASH, not {algo}")
+        if not self.uses_drafter and self.draft_quantization != DraftQuantization.AUTO:
+            raise ConfigError("draft_quantization", f"draft_quantization is only used by DSPARK and DFLASH, not {algo}")
         for key in ("sps_table", "sts_path"):
             if getattr(self, key) is not None and algo != Algorithm.DSPARK:
                 raise ConfigError(key, f"{key} is only used with speculative_algorithm DSPARK, not {algo}")

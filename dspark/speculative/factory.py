@@ -7,7 +7,7 @@ import torch
 
 from dspark.models.decoder import Decoder
 from dspark.models.packing import packing_supported
-from dspark.speculative.config import Algorithm, PlannerKind, SpeculativeConfig, VerifyMode
+from dspark.speculative.config import Algorithm, DraftQuantization, PlannerKind, SpeculativeConfig, VerifyMode
 from dspark.speculative.cost_table import SPSTable
 from dspark.speculative.planners import Planner, make_planner
 from dspark.speculative.proposer import NoProposer, Proposer
@@ -36,7 +36,9 @@ def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -
         raise ValueError(f"num_speculative_tokens {n} exceeds the drafter's trained block size "
                          f"{drafter.config.block_size}")
     drafter = drafter.to(dtype=decoder.dtype, device=decoder.device).eval()
-    if packing_supported(decoder.dtype, decoder.device) or _avx2_fp32(decoder):
+    if cfg.draft_quantization != DraftQuantization.AUTO:
+        drafter.pack(weight_bits=_draft_weight_bits(cfg.draft_quantization, decoder))
+    elif packing_supported(decoder.dtype, decoder.device) or _avx2_fp32(decoder):
         drafter.pack()
     sts = read_sts(Path(cfg.sts_path)) if cfg.sts_path else None
     if cfg.sts_path and sts is None:
@@ -46,6 +48,19 @@ def build_proposer(cfg: SpeculativeConfig, decoder: Decoder, model_path: Path) -
 
         refold_sts_offset(drafter, Path(cfg.sts_path))
     return BlockDrafterProposer(drafter, sts, max_drafts=n)
+
+
+def _draft_weight_bits(quantization: DraftQuantization, decoder: Decoder) -> int:
+    """4 or 8 for an explicit draft_quantization; ValueError where no kernel of dspark's takes it here."""
+    from dspark.models import native
+
+    on_avx512 = decoder.dtype == torch.bfloat16 and decoder.device.type == "cpu" and native.library() is not None
+    if on_avx512 or (quantization == DraftQuantization.INT8 and _avx2_fp32(decoder)):
+        return 4 if quantization == DraftQuantization.INT4 else 8
+    why = native.why() or f"the target runs in {str(decoder.dtype).removeprefix('torch.')} on {decoder.device}"
+    needs = "dspark's AVX-512 kernels and a bf16 target" if quantization == DraftQuantization.INT4 else \
+        "dspark's kernels (AVX-512 with a bf16 target, or AVX2 with an fp32 one)"
+    raise ValueError(f"draft_quantization {quantization} needs {needs} on the CPU; here: {why}")
 
 
 def build_planner(cfg: SpeculativeConfig, proposer: Proposer, decoder: Decoder, model_path: Path,

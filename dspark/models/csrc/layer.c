@@ -56,6 +56,16 @@ void dspark_layer(const uint16_t *x, uint16_t *x_out, int64_t t, int64_t d, cons
 void dspark_q8_vnni_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, void *y,
                        int out_bf16, int8_t *xq, float *e, int32_t *sx, int threads);
 
+/* A drafter projection x [rows, k] bf16 -> y [rows, n] bf16: 4-bit weights (int4.pack_for_kernel) where w4,
+ * else 8-bit VNNI ones (q8.pack_for_vnni; xq, e and sx its scratch). */
+static void drafter_proj(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, int64_t n, uint16_t *y, int w4,
+                         int8_t *xq, float *e, int32_t *sx, int threads) {
+    if (w4)
+        dspark_int4_mm(x, rows, k, w, n, y, threads);
+    else
+        dspark_q8_vnni_mm(x, rows, k, w, n, y, 1, xq, e, sx, threads);
+}
+
 /* Per-head RMSNorm of the q heads (gains wq) and k heads (wk) of fused qkv rows [t, h + 2 hkv, hd] bf16, in
  * place (fp32 inside, rounded once to bf16); hd a multiple of 16. */
 static void qk_norm_rows(uint16_t *qkv, int64_t t, int64_t h, int64_t hkv, int64_t hd, const float *wq,
@@ -78,7 +88,7 @@ static void qk_norm_rows(uint16_t *qkv, int64_t t, int64_t h, int64_t hkv, int64
 /* One layer of the drafter's block pass (drafters/runner.py) for R requests of g slots (t = R g rows):
  * x [t, d] bf16 and xn, its input norm, -> x_out = the layer's output and xn_out = its norm by the next
  * norm's gains (the next layer's input norm, or the final norm). Projections are 8-bit VNNI weights
- * (q8.pack_for_vnni, no biases); RoPE writes the block's keys and values into the pool [2 hkv, pool_rows,
+ * (q8.pack_for_vnni, no biases), or 4-bit ones (int4.pack_for_kernel) where w4; RoPE writes the block's keys and values into the pool [2 hkv, pool_rows,
  * hd] fp32 at slot[t] and attention reads request b's keys at rows b s_len .. b s_len + s_len - 1 of each
  * head, under mask [R, g, s_len]. wq, wk: the q / k norms' gains (qk_eps), or NULL without them. scratch: bf16 of t * (3 d + (h + 2 hkv + h) hd + 3 inter) elements, plus
  * xq (int8, t * max_k), e and sx (fp32, int32: t * max_k / 32) for the VNNI rows, max_k the widest input. */
@@ -89,40 +99,40 @@ void dspark_drafter_layer(const uint16_t *x, const uint16_t *xn, uint16_t *x_out
                           int64_t h, int64_t hkv, int64_t hd, int64_t inter, const int64_t *pos, const float *cos_t,
                           const float *sin_t, float q_scale, float *pool, int64_t s_len, const int64_t *slot,
                           const uint8_t *mask, uint16_t *scratch, float *q_buf, int8_t *xq, float *e, int32_t *sx,
-                          int threads) {
+                          int w4, int threads) {
     const int64_t t = r_len * g, nqkv = (h + 2 * hkv) * hd, natt = h * hd, pool_rows = r_len * s_len;
     uint16_t *qkv = scratch, *att = qkv + t * nqkv, *ho = att + t * natt, *xn2 = ho + t * d, *gu = xn2 + t * d,
              *act = gu + t * 2 * inter, *m = act + t * inter;
     uint16_t *x2 = x_out;  /* x + attention, then x_out = x2 + mlp in place */
-    dspark_q8_vnni_mm(xn, t, d, w_qkv, nqkv, qkv, 1, xq, e, sx, threads);
+    drafter_proj(xn, t, d, w_qkv, nqkv, qkv, w4, xq, e, sx, threads);
     if (wq)
         qk_norm_rows(qkv, t, h, hkv, hd, wq, wk, qk_eps);
     dspark_rope_store(qkv, pos, cos_t, sin_t, q_scale, t, h, hkv, hd, q_buf, pool, pool_rows, slot, threads);
     dspark_attention(q_buf, g * natt, hd, natt, pool, pool + hkv * pool_rows * hd, pool_rows * hd, s_len * hd, mask, att,
                      1, g * natt, hd, natt, r_len, h, hkv, g, s_len, hd, threads);
-    dspark_q8_vnni_mm(att, t, natt, w_o, d, ho, 1, xq, e, sx, threads);
+    drafter_proj(att, t, natt, w_o, d, ho, w4, xq, e, sx, threads);
     dspark_add_rmsnorm(ho, x, x2, ln_post, eps, xn2, t, d, threads);
-    dspark_q8_vnni_mm(xn2, t, d, w_gu, 2 * inter, gu, 1, xq, e, sx, threads);
+    drafter_proj(xn2, t, d, w_gu, 2 * inter, gu, w4, xq, e, sx, threads);
     dspark_silu_mul(gu, act, t, inter, threads);
-    dspark_q8_vnni_mm(act, t, inter, w_down, d, m, 1, xq, e, sx, threads);
+    drafter_proj(act, t, inter, w_down, d, m, w4, xq, e, sx, threads);
     dspark_add_rmsnorm(m, x2, x_out, ln_next, eps, xn_out, t, d, threads);
 }
 
 /* The drafter's context projection for n fed positions (drafters/runner.py, context_kv): target features
- * feats [n, k_in] bf16 -> fc (8-bit VNNI) -> RMSNorm (gains ln_hidden) -> every layer's K and V (8-bit
- * VNNI, packed [layers, 2, hkv, hd] per row) -> per layer the keys' RMSNorm (wk [layers, hd], or NULL) and
+ * feats [n, k_in] bf16 -> fc -> RMSNorm (gains ln_hidden) -> every layer's K and V (8-bit VNNI weights, or
+ * 4-bit where w4; packed [layers, 2, hkv, hd] per row) -> per layer the keys' RMSNorm (wk [layers, hd], or NULL) and
  * RoPE at pos[n] (fp32 tables), rounded once to bf16, into kv_out [n, layers, 2, hkv, hd]. scratch: bf16
  * of n * d; xq (int8, n * k_in), e and sx (fp32, int32: n * k_in / 32). */
 void dspark_drafter_context(const uint16_t *feats, int64_t n, int64_t k_in, int64_t d, const uint8_t *w_fc,
                             const float *ln_hidden, float eps, const uint8_t *w_kv, int64_t layers, int64_t hkv,
                             int64_t hd, const float *wk, float k_eps, const int64_t *pos, const float *cos_t,
                             const float *sin_t, uint16_t *kv_out, uint16_t *scratch, int8_t *xq, float *e, int32_t *sx,
-                            int threads) {
+                            int w4, int threads) {
     const int64_t width = layers * 2 * hkv * hd, half = hd / 2;
     uint16_t *c = scratch;
-    dspark_q8_vnni_mm(feats, n, k_in, w_fc, d, c, 1, xq, e, sx, threads);
+    drafter_proj(feats, n, k_in, w_fc, d, c, w4, xq, e, sx, threads);
     dspark_add_rmsnorm(c, NULL, NULL, ln_hidden, eps, c, n, d, threads);  /* in place: a row is read first */
-    dspark_q8_vnni_mm(c, n, d, w_kv, width, kv_out, 1, xq, e, sx, threads);
+    drafter_proj(c, n, d, w_kv, width, kv_out, w4, xq, e, sx, threads);
     for (int64_t r = 0; r < n; r++) {
         const float *co = cos_t + pos[r] * hd, *si = sin_t + pos[r] * hd;
         for (int64_t l = 0; l < layers; l++)
