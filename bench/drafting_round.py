@@ -8,7 +8,8 @@ deeper one, a wider Markov head); with --4bit, the shipped one again with its ma
 round again right after itself, with no target step in between: the drafter's weights are then still in
 cache, and the difference is what bringing them back from memory costs.
 
-    .venv/bin/python bench/drafting_round.py [--sizes 1,8] [--repeats 15] [--compare] [--hot] [--4bit] [--draft-model DIR ...]
+    .venv/bin/python bench/drafting_round.py [--sizes 1,8] [--repeats 15] [--compare] [--hot] [--4bit]
+        [--draft-model DIR ...]
 """
 from __future__ import annotations
 

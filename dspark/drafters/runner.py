@@ -54,9 +54,9 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, bits: i
     weight = weight.detach().contiguous()
     bias = None if bias is None else bias.detach()
     if pack:
-        if bits == 4 and weight.dtype == torch.bfloat16 and weight.shape[1] % Q8_GROUP == 0 and native.library() is not None:
-            return Int4Linear(weight, bias)
         if weight.dtype == torch.bfloat16 and weight.shape[1] % Q8_GROUP == 0 and native.library() is not None:
+            if bits == 4:
+                return Int4Linear(weight, bias)
             return Q8Linear(weight, bias, out_dtype=torch.bfloat16, vnni=True)
         if weight.dtype == torch.float32 and weight.shape[1] % Q8_GROUP == 0 and native_avx2.library() is not None:
             return Q8Linear(weight, bias, avx2=True)
