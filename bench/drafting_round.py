@@ -6,10 +6,12 @@ projection switched off); with --draft-model DIR (repeatable), other drafters be
 deeper one, a wider Markov head); with --4bit, the shipped one again with its matrices on the 4-bit kernel
 (`--speculative-draft-model-quantization int4`); all interleaved round by round in one process. With --hot, also each
 round again right after itself, with no target step in between: the drafter's weights are then still in
-cache, and the difference is what bringing them back from memory costs.
+cache, and the difference is what bringing them back from memory costs. With --phases, where a batch-1 round
+of the shipped drafter goes, after a target step and hot: feeding the context, copying it for attention,
+the layers, the heads, the greedy picks, and the Python between them.
 
     .venv/bin/python bench/drafting_round.py [--sizes 1,8] [--repeats 15] [--compare] [--hot] [--4bit]
-        [--draft-model DIR ...]
+        [--draft-model DIR ...] [--phases]
 """
 from __future__ import annotations
 
@@ -65,6 +67,50 @@ def round_seconds(routes: dict, dec, sizes: list[int], repeats: int, num_drafts:
     return statistics.median(steps), {k: statistics.median(v) for k, v in times.items()}
 
 
+PHASES = {"context_kv": "context feed", "_context": "context copy", "_backbone_on_kernels": "layers",
+          "heads": "heads", "greedy_picks": "greedy picks"}  # DraftRunner methods timed by --phases
+
+
+def phase_seconds(drafter, dec, repeats: int, context: int = 256, fed: int = 2) -> dict[str, dict[str, float]]:
+    """{"after a step" / "hot": {phase: median seconds, "rest": the round's other time, "round": all of it}}
+    for batch-1 rounds of a whole block (PHASES' methods of the drafter's runner, timed in place)."""
+    runner, spent = drafter.runner(), {}
+    for method in PHASES:
+        def timed(*a, _f=getattr(runner, method), _m=method, **k):
+            t = time.perf_counter()
+            out = _f(*a, **k)
+            spent[_m] = spent.get(_m, 0.0) + time.perf_counter() - t
+            return out
+        setattr(runner, method, timed)
+    gen = torch.Generator().manual_seed(0)
+    target = dec.new_cache(blocks_for(context + 1 + KV_ALIGN) + 1)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    hidden = torch.randn(context, width, generator=gen).to(drafter.fc.weight.dtype)
+    cache = drafter.new_cache(context + fed + 8)
+    drafter.extend_many([cache], [hidden], [0])
+    samples: dict[str, dict[str, list[float]]] = {}
+    try:
+        with torch.inference_mode():
+            for p in range(repeats + 1):  # pass 0 warms up
+                _time_step(dec, target, [1], context, gen)
+                for label in ("after a step", "hot"):
+                    spent.clear()
+                    t = time.perf_counter()
+                    drafter.extend_many([cache], [hidden[context - fed:]], [context - fed])
+                    drafter.draft([cache], [1], [context], return_logits=False)
+                    total = time.perf_counter() - t
+                    if p:
+                        row = samples.setdefault(label, {})
+                        for method in PHASES:
+                            row.setdefault(PHASES[method], []).append(spent.get(method, 0.0))
+                        row.setdefault("rest", []).append(total - sum(spent.values()))
+                        row.setdefault("round", []).append(total)
+    finally:
+        for method in PHASES:
+            delattr(runner, method)
+    return {label: {k: statistics.median(v) for k, v in row.items()} for label, row in samples.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1,8", help="batch sizes (requests drafting together)")
@@ -74,6 +120,8 @@ def main() -> None:
                     help="also each round repeated straight after itself (no target step between: weights in cache)")
     ap.add_argument("--4bit", dest="four_bit", action="store_true",
                     help="also the shipped drafter with 4-bit matrices, interleaved")
+    ap.add_argument("--phases", action="store_true",
+                    help="also where a batch-1 round goes (context feed and copy, layers, heads, picks, the rest)")
     ap.add_argument("--draft-model", action="append", default=[], metavar="DIR",
                     help="another DSpark drafter to time beside the shipped one (repeat for more)")
     args = ap.parse_args()
@@ -101,6 +149,9 @@ def main() -> None:
         for (name, r), sec in sorted(rounds.items()):
             print(f"{label:11s} {name:8s} batch {r:2d}: {sec * 1e3:6.2f} ms = {sec / step:.3f} of a "
                   f"{step * 1e3:.2f} ms step")
+    if args.phases:
+        for label, row in phase_seconds(drafter, dec, args.repeats).items():
+            print(f"phases, batch 1, {label}: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in row.items()) + " ms")
 
 
 if __name__ == "__main__":
