@@ -4,8 +4,8 @@ of --repeats), for a whole block (7 drafts) and for one draft, at several batch 
 settings. With --compare, also the same drafter on the per-op route (the kernels' layers and context
 projection switched off); with --draft-model DIR (repeatable), other drafters beside the shipped one (a
 deeper one, a wider Markov head); with --4bit, the shipped one again with its matrices on the 4-bit kernel
-(`--speculative-draft-model-quantization int4`); all interleaved round by round in one process. With --hot, also each
-round again right after itself, with no target step in between: the drafter's weights are then still in
+(`--speculative-draft-model-quantization int4`); all interleaved round by round in one process. With --hot,
+also each round again right after itself, with no target step in between: the drafter's weights are then still in
 cache, and the difference is what bringing them back from memory costs. With --phases, where a batch-1 round
 of the shipped drafter goes, after a target step and hot: feeding the context, copying it for attention,
 the layers, the heads, the greedy picks, and the Python between them.
@@ -30,6 +30,15 @@ from dspark.speculative.factory import build_proposer
 from dspark.speculative.profile import _time_step
 
 
+def _fed_caches(drafter, n: int, context: int, fed: int, gen: torch.Generator):
+    """(n drafter caches holding `context` positions of random target features, those features)."""
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    hidden = torch.randn(context, width, generator=gen).to(drafter.fc.weight.dtype)
+    caches = [drafter.new_cache(context + fed + 8) for _ in range(n)]
+    drafter.extend_many(caches, [hidden] * n, [0] * n)
+    return caches, hidden
+
+
 def round_seconds(routes: dict, dec, sizes: list[int], repeats: int, num_drafts: int | None,
                   context: int = 256, fed: int = 2, hot: bool = False) -> tuple[float, dict]:
     """(median step seconds, {(route, size): median round seconds}), routes interleaved round by round.
@@ -41,11 +50,7 @@ def round_seconds(routes: dict, dec, sizes: list[int], repeats: int, num_drafts:
     state = {}  # drafter -> (its caches, its context features)
     for drafter, _ in routes.values():
         if drafter not in state:
-            width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-            hidden = torch.randn(context, width, generator=gen).to(drafter.fc.weight.dtype)
-            caches = [drafter.new_cache(context + fed + 8) for _ in range(widest)]
-            drafter.extend_many(caches, [hidden] * widest, [0] * widest)
-            state[drafter] = caches, hidden
+            state[drafter] = _fed_caches(drafter, widest, context, fed, gen)
     steps, times = [], {}
     with torch.inference_mode():
         for p in range(repeats + 1):  # pass 0 warms up
@@ -84,10 +89,7 @@ def phase_seconds(drafter, dec, repeats: int, context: int = 256, fed: int = 2) 
         setattr(runner, method, timed)
     gen = torch.Generator().manual_seed(0)
     target = dec.new_cache(blocks_for(context + 1 + KV_ALIGN) + 1)
-    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-    hidden = torch.randn(context, width, generator=gen).to(drafter.fc.weight.dtype)
-    cache = drafter.new_cache(context + fed + 8)
-    drafter.extend_many([cache], [hidden], [0])
+    (cache,), hidden = _fed_caches(drafter, 1, context, fed, gen)
     samples: dict[str, dict[str, list[float]]] = {}
     try:
         with torch.inference_mode():
