@@ -376,7 +376,6 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
     distribution. The argmax reads the logits as they are: an fp32 copy would pick the same token."""
     if temperature <= 0:
         return logits.argmax(-1)
-    from dspark.sampling.sampler import warp_probs
+    from dspark.sampling.sampler import sample_logits
 
-    probs = warp_probs(logits.float(), temperature, top_k, top_p)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return sample_logits(logits, temperature, top_k, top_p, gen)

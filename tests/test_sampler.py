@@ -1,0 +1,41 @@
+"""Sampling among the top-k candidates (the training-data generator's sampler) keeps warp_probs' distribution."""
+import pytest
+import torch
+
+from dspark.sampling.sampler import sample_logits, warp_probs, warp_top_k
+
+
+def _scatter(probs: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.zeros(probs.shape[0], vocab).scatter_(-1, ids, probs)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 20, 0.8), (1.0, 5, 1.0), (1.3, 40, 0.5), (0.7, 1, 0.9)])
+def test_top_k_candidates_carry_warp_probs_distribution(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(16, 500, generator=g) * 3).to(torch.bfloat16)  # bf16 values: ties are common
+    logits[0, :30] = 20.0  # a row whose 30 top values tie: warp_probs keeps every tie of the k-th value
+    logits[1, 100:110] = logits[1].max()  # ties at the top-p cut: the lowest ids stay, in both
+    probs, ids = warp_top_k(logits, temperature, top_k, top_p)
+    assert probs.shape == ids.shape and probs.shape[1] >= top_k
+    if top_k < 30:
+        assert probs.shape[1] >= 30  # every tie of row 0 is a candidate
+    want = warp_probs(logits, temperature, top_k, top_p)
+    torch.testing.assert_close(_scatter(probs, ids, 500), want, atol=1e-6, rtol=1e-5)
+
+
+def test_samples_follow_the_warped_distribution():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 64, generator=g).mul(2).expand(40_000, 64).contiguous()
+    want = warp_probs(logits[:1], 0.7, 10, 0.8)[0]
+    got = sample_logits(logits, 0.7, 10, 0.8, torch.Generator().manual_seed(2))
+    freq = torch.bincount(got, minlength=64).float() / len(got)
+    assert bool((freq[want == 0] == 0).all())  # nothing outside top-k / top-p is ever drawn
+    assert float((freq - want).abs().max()) < 0.01  # 40k draws: a few standard errors at most
+    plain = sample_logits(logits[:8], 0.7, -1, 0.8, torch.Generator().manual_seed(2))  # no top-k: warp_probs
+    assert bool((want[plain] > 0).all())
+
+
+@pytest.mark.parametrize("top_k", [0, -1, 64])
+def test_top_k_outside_the_vocabulary_is_refused(top_k):
+    with pytest.raises(ValueError, match="top_k"):
+        warp_top_k(torch.randn(2, 64), 1.0, top_k)
