@@ -17,6 +17,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per round
     verify_lengths: list[int] = field(default_factory=list)  # drafts verified per round
+    # per round, the drafter's calibrated confidence of each draft it made (c_k: draft k survives given
+    # 1..k-1 did); empty for a proposer without a confidence head
+    draft_confidences: list[list[float]] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # finish_reason "error": what failed (the step's other requests went on)
 

@@ -75,9 +75,23 @@ def test_acceptance_counter():
     assert acc.rounds == 4 and acc.tau == 10 / 4
     assert acc.attempts == [3, 2, 2] and acc.accepts == [2, 2, 1]
     assert acc.conditional() == [2 / 3, 1.0, 0.5]
+    assert acc.calibration() is None  # no confidences given
     assert expand_methods("ar,dspark,hf") == ["ar", "dspark-fixed", "dspark-threshold", "dspark-throughput", "hf"]
     with pytest.raises(ValueError, match="unknown method"):
         expand_methods("ar,warp")
+
+
+def test_acceptance_counter_scores_the_confidences_against_the_rounds():
+    acc = AcceptanceCounter()
+    # rounds of 2 drafts with c = (0.9, 0.5): forecasts a_1 = 0.9, a_2 = 0.45; kept 2, 1, 0, 2, then a cut last round
+    acc.add([3, 2, 1, 3, 1], [2, 2, 2, 2, 2], [[0.9, 0.5]] * 5)
+    cal = acc.calibration()
+    assert cal["count"] == [4, 4]  # every window verified both drafts; the last round is left out
+    assert cal["forecast"] == pytest.approx([0.9, 0.45])
+    assert cal["survived"] == pytest.approx([3 / 4, 2 / 4])  # position k survives when drafts 1..k were kept
+    assert cal["ece"] == pytest.approx([0.15, 0.05])  # one bin each: |forecast - survived|
+    acc.add([2, 1], [1, 0], [[0.2, 0.9], []])  # a round that verified 1 of 2 drafts scores position 1 only
+    assert acc.calibration()["count"] == [5, 4]
 
 
 def test_offline_suite_and_report(tiny_llama_dir, drafters, sps_file, eval_file, tmp_path):
@@ -97,6 +111,9 @@ def test_offline_suite_and_report(tiny_llama_dir, drafters, sps_file, eval_file,
     assert ("hf-pld", 1) in cells and ("hf-pld", 2) not in cells
     assert cells[("ar", 1)]["speedup"] == pytest.approx(1.0)
     assert cells[("dspark-fixed", 1)]["accept_by_position"]  # the random drafter drafts 4 per round
+    cal = cells[("dspark-fixed", 1)]["confidence_calibration"]  # its confidence head scored on these rounds
+    assert len(cal["ece"]) == 4 and all(0 <= e <= 1 for e in cal["ece"]) and cal["count"][0] > 0
+    assert cells[("ngram", 1)]["confidence_calibration"] is None  # no confidence head
     if "llama.cpp" not in {c["method"] for c in result["cells"]}:
         assert any(s["method"] == "llama.cpp" for s in result["skipped"])
 

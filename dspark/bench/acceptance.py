@@ -1,8 +1,12 @@
 """Per-round bookkeeping for tau and per-position conditional acceptance, from each RequestOutput's
-accept_lengths (tokens committed per round) and verify_lengths (drafts verified per round)."""
+accept_lengths (tokens committed per round) and verify_lengths (drafts verified per round); and, from its
+draft_confidences, how well the drafter's confidences forecast those rounds (calibration on this traffic)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+ECE_BINS = 15  # as `dspark calibrate` bins its held-out logs (train/sts.py)
 
 
 @dataclass
@@ -15,14 +19,21 @@ class AcceptanceCounter:
     accepts: list[int] = field(default_factory=list)  # [gamma] ... and kept draft j
     drafts_verified: int = 0  # over every round, the last included
     drafts_kept: int = 0
+    # per position k: (forecast prefix survival a_k, 1 if drafts 1..k were all kept) of each round that verified draft k
+    forecasts: list[list[tuple[float, int]]] = field(default_factory=list)
 
-    def add(self, accept_lengths: list[int], windows: list[int] | None) -> None:
-        """One request's rounds. Its last round may be cut by a stop or max_tokens, so acceptance skips it."""
+    def add(self, accept_lengths: list[int], windows: list[int] | None,
+            confidences: list[list[float]] | None = None) -> None:
+        """One request's rounds. Its last round may be cut by a stop or max_tokens, so acceptance skips it.
+        confidences: the drafter's row per round (c_k, draft k survives given 1..k-1 did), where it has one."""
         self.rounds += len(accept_lengths)
         self.committed += sum(accept_lengths)
         if not windows or len(windows) != len(accept_lengths):
             return
         self.add_drafts(sum(windows), sum(min(c - 1, w) for c, w in zip(accept_lengths, windows)))
+        if confidences and len(confidences) == len(accept_lengths):
+            for committed, window, row in list(zip(accept_lengths, windows, confidences))[:-1]:
+                self._forecast(min(committed - 1, window), row[:window])
         for committed, window in list(zip(accept_lengths, windows))[:-1]:
             kept = min(committed - 1, window)
             if window > len(self.attempts):
@@ -33,6 +44,36 @@ class AcceptanceCounter:
                 self.attempts[j] += 1
                 if j < kept:
                     self.accepts[j] += 1
+
+    def _forecast(self, kept: int, row: list[float]) -> None:
+        """A round that verified len(row) drafts and kept the first `kept`: each verified position's forecast."""
+        if len(row) > len(self.forecasts):
+            self.forecasts += [[] for _ in range(len(row) - len(self.forecasts))]
+        a = 1.0
+        for k, c in enumerate(row):
+            a *= c
+            self.forecasts[k].append((a, int(k < kept)))
+
+    def calibration(self) -> dict | None:
+        """Per position: rounds that verified it, mean forecast prefix survival, the share that survived,
+        and the ECE of the forecasts (15 equal-width bins); None without confidences. With every draft
+        verified (fixed block) this is the drafter's calibration on this traffic; under a planner, only
+        the positions it chose to verify count, so high forecasts are over-represented."""
+        if not self.forecasts:
+            return None
+        out: dict[str, list] = {"count": [], "forecast": [], "survived": [], "ece": []}
+        for pairs in self.forecasts:
+            n = len(pairs)
+            sums = [[0.0, 0.0] for _ in range(ECE_BINS)]
+            for a, y in pairs:
+                b = sums[min(math.floor(a * ECE_BINS), ECE_BINS - 1)]
+                b[0] += a
+                b[1] += y
+            out["count"].append(n)
+            out["forecast"].append(sum(a for a, _ in pairs) / n)
+            out["survived"].append(sum(y for _, y in pairs) / n)
+            out["ece"].append(sum(abs(p - y) for p, y in sums) / n)
+        return out
 
     def add_drafts(self, verified: int, kept: int) -> None:
         """Draft totals alone, for a method that reports no rounds (llama-server)."""

@@ -185,6 +185,13 @@ def _print_offline(result: dict) -> None:
         match = {None: "n/a", True: "yes", False: "NO"}[c["matches_ar"]]
         print(f"{c['dataset']:<12}{c['label']:<22}{c['concurrency']:>5}{c['temperature']:>5g}"
               f"{c['tokens_per_s']['median']:>10.1f}{sp:>9}{tau:>7}{acc:>7}  {match}")
+    calibrated = [c for c in result["cells"] if c.get("confidence_calibration")]
+    if calibrated:
+        print("confidence calibration, per draft position: forecast prefix survival / share that survived / ECE")
+    for c in calibrated:
+        cal = c["confidence_calibration"]
+        row = " ".join(f"{f:.2f}/{y:.2f}/{e:.1%}" for f, y, e in zip(cal["forecast"], cal["survived"], cal["ece"]))
+        print(f"{c['dataset']:<12}{c['label']:<22}{c['concurrency']:>5}{c['temperature']:>5g}  {row}")
 
 
 def serve(args) -> int:

@@ -59,6 +59,7 @@ class Completion:
     token_ids: list[int]
     accept_lengths: list[int] = field(default_factory=list)  # committed tokens per round (engine only)
     windows: list[int] | None = None  # drafts verified per round (engine only)
+    confidences: list[list[float]] | None = None  # the drafter's confidence row per round (engine only)
     ttft: float | None = None  # seconds from submission to the first token
     tpot: float | None = None  # seconds per output token after the first
     drafted: int | None = None  # drafts verified (methods that report them without per-round data)
@@ -155,7 +156,7 @@ class EngineMethod:
         windows = out.verify_lengths  # drafts verified per round, in the order of accept_lengths
         first, arrival, finish = m.get("first_token_time"), m.get("arrival"), m.get("finish_time")
         n = len(out.token_ids)
-        return Completion(list(out.token_ids), list(out.accept_lengths), list(windows),
+        return Completion(list(out.token_ids), list(out.accept_lengths), list(windows), list(out.draft_confidences),
                           ttft=first - arrival if first and arrival else None,
                           tpot=(finish - first) / (n - 1) if first and finish and n > 1 else None)
 

@@ -151,7 +151,7 @@ def _cell(v: Variant, t: float, c: int, d: Dataset, runs: dict, cfg: OfflineConf
     acc = AcceptanceCounter()
     for x in first:
         if x.windows is not None:
-            acc.add(x.accept_lengths, x.windows)
+            acc.add(x.accept_lengths, x.windows, x.confidences)
         elif x.drafted:
             acc.add_drafts(x.drafted, x.accepted or 0)
     steps = sum(b.verify_steps or 0 for b in reps[0])  # rounds counted by a method without per-round data
@@ -170,6 +170,7 @@ def _cell(v: Variant, t: float, c: int, d: Dataset, runs: dict, cfg: OfflineConf
         "tokens_per_s": spread(speeds), "tau": tau,
         "draft_acceptance": acc.draft_acceptance,
         "accept_by_position": acc.conditional(), "rounds": acc.rounds, "time_split": split,
+        "confidence_calibration": acc.calibration(),
         "ttft_s": latency_summary([x.ttft for x in every]), "tpot_s": latency_summary([x.tpot for x in every]),
         "per_user_tokens_per_s": latency_summary(user)["p50"],
         "outside_draft_vocab": _outside(first, vocab),

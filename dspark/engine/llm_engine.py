@@ -285,6 +285,7 @@ class LLMEngine:
             counters.accepted += acc.num_accepted
         ss.accept_lengths.append(committed)
         ss.verify_lengths.append(l)
+        ss.confidences.append(list(proposal.confidences[i][: len(proposal.tokens[i])]) if proposal.confidences else [])
         return [seq]
 
     def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor) -> Acceptance:
@@ -332,6 +333,7 @@ class LLMEngine:
             token_ids=list(seq.output_token_ids), finished=seq.finished, finish_reason=seq.finish_reason,
             error=seq.error,
             accept_lengths=list(seq.stats.accept_lengths), verify_lengths=list(seq.stats.verify_lengths),
+            draft_confidences=list(seq.stats.confidences),
             metrics={"rounds": seq.stats.rounds, "drafted": seq.stats.drafted, "verified": seq.stats.verified,
                      "accepted": seq.stats.accepted, "arrival": seq.arrival,
                      "first_token_time": seq.first_token_time, "finish_time": seq.finish_time},

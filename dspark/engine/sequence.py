@@ -26,6 +26,7 @@ class SeqStats:
     accepted: int = 0
     accept_lengths: list[int] = field(default_factory=list)
     verify_lengths: list[int] = field(default_factory=list)  # drafts verified per round
+    confidences: list[list[float]] = field(default_factory=list)  # per round, the drafter's row for its drafts
 
 
 @dataclass(eq=False)
