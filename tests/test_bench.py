@@ -127,6 +127,7 @@ def test_offline_suite_and_report(tiny_llama_dir, drafters, sps_file, eval_file,
         assert name in files and (tmp_path / name).stat().st_size > 0
     md = (tmp_path / "results.md").read_text()
     assert "dspark-throughput" in md and "Per-position conditional acceptance" in md
+    assert "Confidence calibration on these rounds" in md  # the dspark cells carry their confidences
     assert load_results(tmp_path)["offline"]["cells"]
 
 

@@ -122,6 +122,18 @@ def _offline(off: dict) -> list[str]:
                           *(["-"] * (width - len(c["accept_by_position"]))),
                           _f(100 * c["outside_draft_vocab"], ".1f") if c.get("outside_draft_vocab") is not None
                           else "-"] for c in acc]) + [""]
+    cal = [c for c in headline_cells({"offline": off}) if c.get("confidence_calibration")]
+    if cal:
+        width = max(len(c["confidence_calibration"]["ece"]) for c in cal)
+        lines += ["### Confidence calibration on these rounds", "",
+                  "Per draft position j: the drafter's mean forecast prefix survival (the product of its calibrated "
+                  "confidences c_1..c_j) / the share of rounds whose drafts 1..j all survived (ECE %, 15 bins), "
+                  "over the rounds that verified position j.", ""]
+        cell = lambda k, j: (f"{_f(k['forecast'][j])} / {_f(k['survived'][j])} ({_f(100 * k['ece'][j], '.1f')})"  # noqa: E731
+                             if j < len(k["ece"]) else "-")
+        lines += _table(["dataset", "method", *(f"j={j + 1}" for j in range(width))],
+                        [[c["dataset"], c["label"], *(cell(c["confidence_calibration"], j) for j in range(width))]
+                         for c in cal]) + [""]
     for s in off.get("skipped", []):
         lines.append(f"- skipped `{s['method']}`: {s['reason']}")
     return lines + [""]
