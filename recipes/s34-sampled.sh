@@ -7,6 +7,9 @@
 #    the prompt list is shuffled differently from session 33's, so some of these prompts were answered
 #    before: replay of code and chat beside the new math;
 # 3. the shipped drafter (stage M) and its DFlash twin continue on the same batches in one process.
+# Session 35 ran it (the session-34 run was lost with its machine) as GEN_SECONDS=1000 CODE_SECONDS=1200
+# STEPS=200: sampled shards 16-32 and code shards 64-73, the last of that list; the result shipped as stage N.
+# A next run starts the sampled shards at 33 and needs new code and chat prompts.
 # Resumable: rerun after any stop (finished shards are skipped, training resumes from its run dir).
 #   P=/path/to/train-prompts bash recipes/s34-sampled.sh   (GEN_SECONDS, CODE_SECONDS, STEPS; SKIP_DATA=1)
 set -euo pipefail
