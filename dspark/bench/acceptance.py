@@ -3,10 +3,11 @@ accept_lengths (tokens committed per round) and verify_lengths (drafts verified 
 draft_confidences, how well the drafter's confidences forecast those rounds (calibration on this traffic)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-ECE_BINS = 15  # as `dspark calibrate` bins its held-out logs (train/sts.py)
+import numpy as np
+
+from dspark.train.sts import ece
 
 
 @dataclass
@@ -31,11 +32,11 @@ class AcceptanceCounter:
         if not windows or len(windows) != len(accept_lengths):
             return
         self.add_drafts(sum(windows), sum(min(c - 1, w) for c, w in zip(accept_lengths, windows)))
-        if confidences and len(confidences) == len(accept_lengths):
-            for committed, window, row in list(zip(accept_lengths, windows, confidences))[:-1]:
-                self._forecast(min(committed - 1, window), row[:window])
-        for committed, window in list(zip(accept_lengths, windows))[:-1]:
+        rows = confidences if confidences and len(confidences) == len(accept_lengths) else None
+        for r, (committed, window) in enumerate(list(zip(accept_lengths, windows))[:-1]):
             kept = min(committed - 1, window)
+            if rows is not None:
+                self._forecast(kept, rows[r][:window])
             if window > len(self.attempts):
                 grow = window - len(self.attempts)
                 self.attempts += [0] * grow
@@ -63,16 +64,11 @@ class AcceptanceCounter:
             return None
         out: dict[str, list] = {"count": [], "forecast": [], "survived": [], "ece": []}
         for pairs in self.forecasts:
-            n = len(pairs)
-            sums = [[0.0, 0.0] for _ in range(ECE_BINS)]
-            for a, y in pairs:
-                b = sums[min(math.floor(a * ECE_BINS), ECE_BINS - 1)]
-                b[0] += a
-                b[1] += y
-            out["count"].append(n)
-            out["forecast"].append(sum(a for a, _ in pairs) / n)
-            out["survived"].append(sum(y for _, y in pairs) / n)
-            out["ece"].append(sum(abs(p - y) for p, y in sums) / n)
+            a, y = np.array(pairs, dtype=np.float64).T
+            out["count"].append(len(pairs))
+            out["forecast"].append(float(a.mean()))
+            out["survived"].append(float(y.mean()))
+            out["ece"].append(ece(a, y))  # 15 bins, as `dspark calibrate` scores its held-out logs
         return out
 
     def add_drafts(self, verified: int, kept: int) -> None:

@@ -285,7 +285,7 @@ class LLMEngine:
             counters.accepted += acc.num_accepted
         ss.accept_lengths.append(committed)
         ss.verify_lengths.append(l)
-        ss.confidences.append(list(proposal.confidences[i][: len(proposal.tokens[i])]) if proposal.confidences else [])
+        ss.confidences.append(proposal.confidences[i][: len(proposal.tokens[i])] if proposal.confidences else [])
         return [seq]
 
     def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor) -> Acceptance:
