@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -36,7 +35,7 @@ def test_no_match_or_degenerate_inputs() -> None:
         propose_ngram([1, 2], k=1, max_n=1, min_n=2)
 
 
-def test_matches_reference_scan_and_is_fast() -> None:
+def test_matches_reference_scan() -> None:
     rng = random.Random(0)
 
     def reference(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
@@ -51,8 +50,9 @@ def test_matches_reference_scan_and_is_fast() -> None:
     for _ in range(200):
         tokens = [rng.randrange(6) for _ in range(rng.randrange(0, 40))]
         assert propose_ngram(tokens, 4) == reference(tokens, 4, 3, 1)
+    # a long history: the match lies thousands of tokens back, or nowhere (its cost is in the bench's
+    # ngram method, not timed here)
     history = [rng.randrange(32000) for _ in range(4096)]
-    start = time.perf_counter()
-    for _ in range(20):
-        propose_ngram(history, 7, max_n=4)
-    assert (time.perf_counter() - start) / 20 < 0.01
+    for tail in (history[10:13], history[-3:], [32001, 32002]):
+        tokens = history + tail
+        assert propose_ngram(tokens, 7, max_n=4) == reference(tokens, 7, 4, 1)

@@ -246,13 +246,13 @@ def test_disconnect_aborts_and_frees_the_cache(server):
         lines = r.iter_lines()
         while not next(lines).startswith("data:"):
             pass
-    m = wait_idle(server.url, timeout=3)  # far sooner than 500 tokens would take
+    m = wait_idle(server.url, timeout=30)  # generous on a loaded machine: the abort count is what shows it
     aborted = 'dspark_requests_finished_total{finish_reason="abort"}'
     assert m[aborted] == before.get(aborted, 0) + 1
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up is aborted as well
         httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=httpx.Timeout(30, read=0.3),
                    json={"prompt": "Hello", "max_tokens": 500, "temperature": 0, "ignore_eos": True})
-    assert wait_idle(server.url, timeout=3)[aborted] == before.get(aborted, 0) + 2
+    assert wait_idle(server.url, timeout=30)[aborted] == before.get(aborted, 0) + 2
 
 
 def test_queue_is_bounded_with_429(tiny_llama_dir):
