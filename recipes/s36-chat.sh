@@ -8,6 +8,9 @@
 #    leaving out every prompt gen-code-34 answered (earlier sessions' directories are gone, so some of
 #    these were answered before stage N: replay);
 # 4. the shipped drafter (stage N) and its DFlash twin continue on the same batches in one process.
+# Session 36 ran it as GEN_SECONDS=1100 CHAT_SECONDS=1000 STEPS=250 (2-core Zen 4): 1,787 chats (1.03M
+# assistant tokens), sampled shards 33-50 (549k tokens, 485 tokens/s), gen-chat-36 shards 0-14 (459k tokens,
+# 430 tokens/s). A next run starts the sampled shards at 51 and gen-chat-36 at 15.
 # Resumable: rerun after any stop (finished shards are skipped, training resumes from its run dir).
 #   P=/path/to/train-prompts bash recipes/s36-chat.sh   (GEN_SECONDS, CHAT_SECONDS, STEPS; SKIP_DATA=1)
 set -euo pipefail
