@@ -3,14 +3,18 @@ step by step in one process so host drift hits both alike, with where a step's t
 
 Routes: "kernels" (the trainer as it ships: the vocabulary-sized losses, their gradient and the target's
 soft labels on dspark's kernels, models/csrc/vocab_loss.c; the dense target's SiLU-gating and norms too;
-the target pass over each micro-batch's sequences packed without padding), "torch" (PyTorch ops alone)
-and "padded" (kernels, but the target pass over the micro-batch right-padded to its longest sequence, as
+the target pass over each micro-batch's sequences packed without padding), "torch" (PyTorch ops alone),
+"padded" (kernels, but the target pass over the micro-batch right-padded to its longest sequence, as
 the trainer ran before packing; its rows are then gathered back, an extra copy of well under 1% of a
-step). Each step index runs once per route on the same sequences and anchors (the weights move on
-between them, which changes no shape). Training tokens are the target tokens a step reads, the trainer's
-own tokens/s. Needs a data directory made by `dspark train-data` (docs/training.md).
+step) and "unfused" (kernels, but the Markov bias as a matmul of its own added to the LM head's logits,
+as the trainer ran before heads.biased_logits). Each step index runs once per route on the same sequences
+and anchors (the weights move on between them, which changes no shape). Training tokens are the target
+tokens a step reads, the trainer's own tokens/s. Needs a data directory made by `dspark train-data` (docs/training.md).
 
     .venv/bin/python bench/train_speed.py --steps 4 -- --data runs/data/gen-chat [more dspark train options]
+
+With `--twin 'OPTIONS'` among the train options (as `dspark train --twin`), every step also trains the
+twins on the same target pass, and "twin steps" is their time; the other phases are the first drafter's.
 """
 from __future__ import annotations
 
@@ -25,9 +29,11 @@ from contextlib import contextmanager
 
 import torch
 
+from dspark.drafters.model import TrainOutput
 from dspark.models import native
+from dspark.train import features as features_mod
 from dspark.train import trainer as trainer_mod
-from dspark.train.config import add_train_args, config_from_args
+from dspark.train.config import add_train_args, config_from_args, twin_configs
 from dspark.train.memory import release_freed_memory
 
 # the shipped drafter's recipe (dspark/checkpoints/README.md), so only --data must be given
@@ -41,6 +47,8 @@ def route(name: str, trainer):
     """The training step's vocabulary-sized work and the dense target's pointwise ops on `name`."""
     if name == "padded":
         trainer.target.forward_packed = _padded_pass(trainer.target)  # an instance attribute over the method
+    if name == "unfused":
+        trainer.model._selected_heads = _unfused_heads(trainer.model)
     saved = os.environ.get(native.ENV)
     if name == "torch":
         os.environ[native.ENV] = "torch"
@@ -55,6 +63,7 @@ def route(name: str, trainer):
         yield
     finally:
         trainer.target.__dict__.pop("forward_packed", None)
+        trainer.model.__dict__.pop("_selected_heads", None)
         trainer.target._kernels = silu
         for m, k in norms:
             m._kernels = k
@@ -83,37 +92,50 @@ def _rss_gb() -> float:
         return 0.0
 
 
+def _unfused_heads(model):
+    """_selected_heads as the trainer ran before heads.biased_logits: the LM head, then the Markov bias as a
+    matmul of its own and the sum of the two [N, Vd] tensors."""
+    def heads(prev, h):
+        base = model._head(h)
+        logits, conf = model._heads_teacher_forced(prev, h, base)
+        return TrainOutput(logits=logits, base_logits=base, conf_logits=conf)
+    return heads
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="steps timed per route (after one warm-up step each)")
-    ap.add_argument("--routes", default="kernels,torch", help="comma-separated: kernels, torch, padded")
+    ap.add_argument("--routes", default="kernels,torch", help="comma-separated: kernels, torch, padded, unfused")
     ap.add_argument("--json", default=None)
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `dspark train` options (--data ...)")
     args = ap.parse_args()
     rest = [a for a in args.train_args if a != "--"]
     tp = argparse.ArgumentParser()
     add_train_args(tp)
-    cfg = config_from_args(tp.parse_args(DEFAULTS + ["--run-dir", "/tmp/dspark-train-speed"] + rest))
+    ns = tp.parse_args(DEFAULTS + ["--run-dir", "/tmp/dspark-train-speed"] + rest)
+    cfg = config_from_args(ns)
     routes = args.routes.split(",")
-    unknown = set(routes) - {"kernels", "torch", "padded"}
+    unknown = set(routes) - {"kernels", "torch", "padded", "unfused"}
     if unknown:
-        sys.exit(f"unknown --routes {sorted(unknown)}: pick from kernels, torch, padded")
-    if {"kernels", "padded"} & set(routes) and native.library() is None:
+        sys.exit(f"unknown --routes {sorted(unknown)}: pick from kernels, torch, padded, unfused")
+    if {"kernels", "padded", "unfused"} & set(routes) and native.library() is None:
         sys.exit(f"dspark's kernels do not run here: {native.why()}")
     tr = trainer_mod.Trainer(cfg)
+    twins = [trainer_mod.Trainer(c, share_target=tr) for c in twin_configs(ns)]  # --twin: as fit_together
 
     phases: dict[str, float] = collections.defaultdict(float)
+    sink = [phases]  # where the phases of the lead's step go (a twin's step is timed whole)
 
     def timed(name, fn):
         def wrapper(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
-            phases[name] += time.perf_counter() - t
+            sink[0][name] += time.perf_counter() - t
             return out
         return wrapper
 
     trainer_mod.target_batch = timed("target pass", trainer_mod.target_batch)
-    trainer_mod.soft_labels = timed("soft labels", trainer_mod.soft_labels)
+    features_mod.soft_labels = timed("soft labels", features_mod.soft_labels)
     tr.loss_parts = timed("drafter forward + losses", tr.loss_parts)
     combine = trainer_mod.combine
 
@@ -124,7 +146,7 @@ def main() -> None:
         def backward(self):
             t = time.perf_counter()
             self.loss.backward()
-            phases["backward"] += time.perf_counter() - t
+            sink[0]["backward"] += time.perf_counter() - t
 
     trainer_mod.combine = lambda *a, **k: _Timed(combine(*a, **k))
     tr.opt.step = timed("optimizer", tr.opt.step)
@@ -135,7 +157,14 @@ def main() -> None:
             phases.clear()
             with route(name, tr):
                 t = time.perf_counter()
-                _, tokens = tr.train_step(step)
+                micro = list(tr._micro(*tr.step_inputs(step))) if twins else None  # one target pass for all
+                _, tokens = tr.train_step(step, micro)
+                for twin in twins:
+                    sink[0], t1 = collections.defaultdict(float), time.perf_counter()
+                    twin.train_step(step, micro)
+                    phases["twin steps"] += time.perf_counter() - t1
+                    sink[0] = phases
+                del micro
                 release_freed_memory()  # as Trainer.fit does after each step
                 dt = time.perf_counter() - t
             rec = {"step": step, "tokens": tokens, "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1),

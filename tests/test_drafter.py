@@ -291,6 +291,36 @@ def test_gated_and_rnn_heads_differ_from_vanilla():
     assert not torch.allclose(outs["gated"].logits, outs["rnn"].logits)
 
 
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn", None])
+def test_selected_slots_match_whole_blocks(head):
+    """forward_train(select=...), the trainer's form (a stateless Markov head fused into the LM head's
+    matmul), gives the whole-block pass's logits, confidences and gradients on the selected slots."""
+    model = make(**(dict(markov_head_type=head) if head else dict(markov_rank=0, confidence_head=False)))
+    feats, ids = data()
+    anchors, valid = torch.tensor([[3, 8, 15], [0, 5, 23]]), torch.ones(2, 3, dtype=torch.bool)
+    select = torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(0)) < 0.6
+    weight = torch.randn(int(select.sum()), V, generator=torch.Generator().manual_seed(1))
+    got = []
+    for sel in (None, select):
+        model.zero_grad()
+        out = model.forward_train(feats, ids, anchors, valid, select=sel)
+        logits = out.logits if sel is not None else out.logits[select]
+        conf = None if out.conf_logits is None else (out.conf_logits if sel is not None else out.conf_logits[select])
+        (logits * weight[:len(logits)]).sum().add(0 if conf is None else conf.sum()).backward()  # linear: no rounding feedback
+        got.append((logits.detach(), conf, {n: p.grad.clone() for n, p in model.named_parameters()
+                                            if p.grad is not None}))
+    (whole, whole_conf, whole_grads), (picked, picked_conf, picked_grads) = got
+    assert picked.shape == (int(select.sum()), V)
+    torch.testing.assert_close(picked, whole)
+    if whole_conf is not None:
+        torch.testing.assert_close(picked_conf, whole_conf)
+    assert picked_grads.keys() == whole_grads.keys() and "fc.weight" in whole_grads
+    assert head is None or "markov_head.markov_w2.weight" in whole_grads
+    for name, grad in whole_grads.items():
+        scale = float(grad.abs().max())  # fp32 sums in another order: rounding relative to the largest entry
+        torch.testing.assert_close(picked_grads[name], grad, rtol=1e-4, atol=1e-6 * scale, msg=lambda m: f"{name}: {m}")
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------
 def test_save_load_round_trip(tmp_path: Path):
     d2t = torch.arange(0, V, 3)

@@ -268,6 +268,32 @@ def test_soft_labels_argmax_takes_the_lowest_of_tied_ids(vocab_route):
     assert greedy.tolist() == [7, 2, 7]
 
 
+def test_target_batch_labels_are_computed_once_per_rows_and_vocabulary():
+    """TargetBatch.labels_at: a second drafter on the same batch (--twin) with the same rows and draft
+    vocabulary reads the first one's soft labels; other rows or another vocabulary are computed anew."""
+    from dspark.train.features import TargetBatch
+
+    calls = []
+
+    class Target:
+        def logits(self, rows):
+            calls.append(len(rows))
+            return rows
+
+    final = torch.randn(2, 4, 10)
+    tb = TargetBatch(torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool), final, final)
+    rows, d2t = torch.tensor([0, 3, 5]), torch.tensor([1, 4, 7])
+    pt, greedy = tb.labels_at(Target(), rows, d2t)
+    torch.testing.assert_close(pt, torch.softmax(final.flatten(0, 1)[rows], -1)[:, d2t])
+    assert torch.equal(greedy, final.flatten(0, 1)[rows].argmax(-1))
+    again = tb.labels_at(Target(), rows.clone(), d2t.clone())
+    assert again[0] is pt and again[1] is greedy and calls == [3]
+    tb.labels_at(Target(), torch.tensor([0, 3, 6]), d2t)
+    tb.labels_at(Target(), torch.tensor([0, 3, 6]), torch.tensor([1, 4, 8]))
+    tb.labels_at(Target(), torch.tensor([0, 3, 6]), None)
+    assert calls == [3, 3, 3, 3]
+
+
 def test_greedy_path_drops_slots_after_a_disagreement():
     from dspark.train.trainer import on_greedy_path
 

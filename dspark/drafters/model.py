@@ -13,7 +13,7 @@ from dspark.drafters.backbone import Backbone
 from dspark.drafters.blocks import IGNORE, block_positions, gather_tokens
 from dspark.drafters.cache import DrafterCache
 from dspark.drafters.config import DrafterConfig
-from dspark.drafters.heads import ConfidenceHead, MarkovHead
+from dspark.drafters.heads import ConfidenceHead, MarkovHead, biased_logits
 from dspark.drafters.runner import DraftRunner
 from dspark.sampling.sampler import sample, warp_probs
 
@@ -23,7 +23,8 @@ class TrainOutput:
     """Teacher-forced outputs for all anchored blocks."""
 
     logits: torch.Tensor  # [B, A, gamma, Vd] in the drafter's dtype, base + sequential bias
-    base_logits: torch.Tensor  # [B, A, gamma, Vd] in the drafter's dtype, backbone only (U_k)
+    base_logits: torch.Tensor | None  # [B, A, gamma, Vd] in the drafter's dtype, backbone only (U_k); None
+    # on selected slots with a stateless Markov head (fused into logits, forward_train)
     conf_logits: torch.Tensor | None  # [B, A, gamma] fp32; None without a confidence head
 
 
@@ -127,13 +128,26 @@ class DSparkDrafter(Backbone):
         block_ids, positions, h = self.block_states(ctx_features, input_ids, anchor_pos, anchor_valid)
         prev = gather_tokens(input_ids, positions)  # teacher forcing: slot k sees x_k = input_ids[anchor+k]
         if select is not None and not self._recurrent:  # stateless heads: per slot, so select first
-            h, prev, select = h[select], prev[select], None
+            return self._selected_heads(prev[select], h[select])
         base = self._head(h)
         logits, conf = self._heads_teacher_forced(prev, h, base)
         if select is not None:  # a recurrent head needs whole blocks: select after it
             logits, base = logits[select], base[select]
             conf = conf[select] if conf is not None else None
         return TrainOutput(logits=logits, base_logits=base, conf_logits=conf)
+
+    def _selected_heads(self, prev: torch.Tensor, h: torch.Tensor) -> TrainOutput:
+        """A stateless head's outputs on selected slots: prev ids [N], h [N, d]; the LM head and the Markov
+        bias in one matmul (heads.biased_logits), so base_logits is None where there is a Markov head."""
+        if self.markov_head is None:
+            logits = self._head(h)
+            return TrainOutput(logits=logits, base_logits=logits, conf_logits=self._confidence(h, None))
+        emb = self.markov_head.prev_embedding(prev)
+        return TrainOutput(logits=biased_logits(self.markov_head, h, emb, self.lm_head), base_logits=None,
+                           conf_logits=self._confidence(h, emb))
+
+    def _confidence(self, h: torch.Tensor, emb: torch.Tensor | None) -> torch.Tensor | None:
+        return self.confidence_head(h, emb).float() if self.confidence_head is not None else None
 
     @property
     def _recurrent(self) -> bool:
@@ -165,8 +179,7 @@ class DSparkDrafter(Backbone):
             else:
                 bias = self.markov_head.step(emb, h, None)[0]
             logits = base + bias.view_as(base).to(base.dtype)
-        conf = self.confidence_head(h, emb).float() if self.confidence_head is not None else None
-        return logits, conf
+        return logits, self._confidence(h, emb)
 
     # ---- inference -----------------------------------------------------------------------------
     _runner: DraftRunner | None = None

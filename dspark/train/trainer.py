@@ -25,7 +25,7 @@ from dspark.drafters import DrafterConfig, DSparkDrafter, block_labels
 from dspark.models.loader import resolve_dtype
 from dspark.train.config import TrainConfig, config_from_args, twin_configs
 from dspark.train.device import train_device
-from dspark.train.features import FeatureCache, TargetBatch, soft_labels, target_batch
+from dspark.train.features import FeatureCache, TargetBatch, target_batch
 from dspark.train.losses import combine, dspark_loss_parts, position_weights, summarize
 from dspark.train.memory import keep_freed_memory, release_freed_memory
 from dspark.train.optim import MasterAdamW
@@ -358,7 +358,7 @@ class Trainer:
         rows = (anchor_pos.unsqueeze(-1) + torch.arange(g, device=self.device)).clamp(max=s - 1)  # slot k: anchor+k
         flat = rows + s * torch.arange(b, device=self.device).view(b, 1, 1)  # into [B*S]
         need, where = flat[valid].unique(return_inverse=True)  # each position's p_t once, however many blocks share it
-        pt, greedy_rows = soft_labels(self.target, tb.final.flatten(0, 1).index_select(0, need), self.model.d2t)
+        pt, greedy_rows = tb.labels_at(self.target, need, self.model.d2t)
         greedy = torch.zeros_like(data_next).masked_scatter_(valid, greedy_rows.index_select(0, where))
         keep = valid & on_greedy_path(greedy, data_next)
         out = self.model(tb.hidden, tb.ids, anchor_pos, anchor_valid, select=keep)
