@@ -78,11 +78,10 @@ class _BiasedHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, w = ctx.saved_tensors
+        (x, w), d, (u_dtype, w2_dtype) = ctx.saved_tensors, ctx.d, ctx.dtypes
         grad = grad.to(x.dtype).contiguous()
         gx = grad @ w  # [N, d + r]
-        gw2 = grad.T @ x[:, ctx.d:]  # [Vd, r]
-        d, (u_dtype, w2_dtype) = ctx.d, ctx.dtypes
+        gw2 = grad.T @ x[:, d:]  # [Vd, r]
         return gx[:, :d], gx[:, d:].to(u_dtype), None, gw2.to(w2_dtype)
 
 
@@ -90,8 +89,8 @@ def biased_logits(head: MarkovHead, h: torch.Tensor, prev_emb: torch.Tensor, lm_
     """Teacher-forced logits h W_lm^T + W2 u of a stateless head for rows h [N, d], prev_emb [N, r] ->
     [N, Vd] in h's dtype, as one matmul over the concatenated [h, u]. The separate bias matmul, its [N, Vd]
     output and the sum of the two (and the same again in the backward) cost a 2-core CPU ~13% of a DSpark
-    drafter's training throughput alone, ~5% of its step beside a twin (docs/training.md). Values agree with base + bias up to rounding (the sum
-    is accumulated once, in fp32)."""
+    drafter's training throughput alone, ~5% of its step beside a twin (docs/training.md). Values agree
+    with base + bias up to rounding (the sum is accumulated once, in fp32)."""
     return _BiasedHead.apply(h, head.bias_input(prev_emb, h), lm_head, head.markov_w2.weight)
 
 
