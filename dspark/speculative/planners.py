@@ -413,14 +413,11 @@ class ThroughputPlanner(Planner):
                 self._probed.discard(rid)
                 if self.backoff:
                     self._backoff[rid] = self._backoff.get(rid, 0) + 1
-        prior_pays = self.prior is None or speculation_pays([self.prior] * r, self.table, t, extra_tokens,
-                                                            context_tokens, self.min_gain)
-        due = False
-        for rid in request_ids:
-            interval = self.idle_probe_every
-            if prior_pays:
-                interval = min(self.probe_every << min(self._backoff.get(rid, 0), 30), self.idle_probe_every)
-            due = due or self._undrafted.get(rid, 0) + 1 >= interval
+        idle = [self._undrafted.get(rid, 0) + 1 for rid in request_ids]  # rounds without drafts
+        backed_off = [self.probe_every << min(self._backoff.get(rid, 0), 30) for rid in request_ids]
+        due = max(idle) >= self.idle_probe_every or any(i >= b for i, b in zip(idle, backed_off)) and (
+            self.prior is None or speculation_pays([self.prior] * r, self.table, t, extra_tokens, context_tokens,
+                                                   self.min_gain))
         if due:
             for rid in request_ids:
                 self._undrafted[rid] = 0
