@@ -170,7 +170,7 @@ def test_speculation_pays_counts_drafting_time() -> None:
 
 def test_throughput_planner_skips_drafting_only_when_it_cannot_pay() -> None:
     table = SPSTable({1: 10.0, 2: 9.5, 4: 9.0, 8: 8.0})
-    planner = ThroughputPlanner(table, draft_seconds={1: 0.05, 4: 0.11}, probe_every=3)
+    planner = ThroughputPlanner(table, draft_seconds={1: 0.05, 4: 0.11}, probe_every=3, backoff=False)
     assert planner.should_draft(["r"])  # no confidences yet
     planner.plan(["r"], [[0.05, 0.05]])
     assert [planner.should_draft(["r"]) for _ in range(6)] == [False, False, True, False, False, True]
@@ -291,7 +291,8 @@ def test_longer_contexts_make_drafts_relatively_cheaper() -> None:
 def test_probes_are_rare_where_even_the_prior_cannot_pay() -> None:
     table = SPSTable({1: 10.0, 2: 9.5, 4: 9.0, 8: 8.0})
     def probes(prior: list[float]) -> list[bool]:
-        planner = ThroughputPlanner(table, draft_seconds={1: 0.01}, probe_every=3, idle_probe_every=6, prior=prior)
+        planner = ThroughputPlanner(table, draft_seconds={1: 0.01}, probe_every=3, idle_probe_every=6, prior=prior,
+                                    backoff=False)
         for _ in range(12):  # the request's own confidences, round after round: nothing pays
             planner.plan(["r"], [[0.05, 0.05]])
         return [planner.should_draft(["r"]) for _ in range(12)]
@@ -299,6 +300,74 @@ def test_probes_are_rare_where_even_the_prior_cannot_pay() -> None:
     assert probes([0.1, 0.01]) == ([False] * 5 + [True]) * 2  # it does not: every 6
     with pytest.raises(ValueError, match="idle_probe_every"):
         ThroughputPlanner(table, probe_every=8, idle_probe_every=4)
+
+
+def test_unproductive_probes_back_off() -> None:
+    """A probe after which speculation still cannot pay doubles the request's probe interval (up to
+    idle_probe_every); a round where it pays brings the interval back to probe_every."""
+    table = SPSTable({1: 10.0, 2: 9.5, 4: 9.0, 8: 8.0})
+    planner = ThroughputPlanner(table, draft_seconds={1: 0.01}, probe_every=2, idle_probe_every=8,
+                                prior=[0.9, 0.8], outlook_weight=1.0, measured_weight=0)
+
+    def rounds(n: int, conf: list[float]) -> list[bool]:
+        out = []
+        for _ in range(n):
+            out.append(planner.should_draft(["r"]))
+            if out[-1]:
+                planner.plan(["r"], [conf])
+        return out
+
+    assert rounds(1, [0.05, 0.05]) == [True]  # the prior pays: a new request drafts
+    poor = rounds(2 + 4 + 8 + 8, [0.05, 0.05])
+    assert [i for i, d in enumerate(poor) if d] == [1, 5, 13, 21]  # probes after 2, 4, 8 and 8 rounds
+    assert rounds(8, [0.95, 0.95]) == [False] * 7 + [True]  # the next probe finds drafts that pay...
+    assert rounds(2, [0.05, 0.05]) == [True, False]  # ...so the round after drafts, and the interval is 2 again
+    assert rounds(1 + 4, [0.05, 0.05]) == [True, False, False, False, True]
+    planner.release("r")
+    assert "r" not in planner._backoff
+
+
+def test_measured_survival_scales_the_confidences_planned_with() -> None:
+    """Rounds whose drafts survive less than their confidences forecast scale that request's outlook
+    and lagged rows down, by (survived + w) / (forecast + w) over the drafts each round tested."""
+    table = SPSTable({1: 10.0, 2: 9.5, 4: 9.0, 8: 8.0})
+    planner = ThroughputPlanner(table, draft_seconds={1: 0.01}, prior=[0.8, 0.6], measured_weight=4.0)
+    assert planner.measured_scale("r") == 1.0
+    planner.plan(["r"], [[0.8, 0.75, 0.5]])
+    planner.observe("r", 3, 0)  # draft 1 tested and failed: 0 survived of 0.8 forecast
+    assert planner.measured_scale("r") == pytest.approx(4 / 4.8)
+    planner.plan(["r"], [[0.8, 0.75, 0.5]])
+    planner.observe("r", 3, 3)  # all three survived: 3 of 2.05
+    assert planner.measured_scale("r") == pytest.approx(7 / 6.85)
+    planner.plan(["r"], [[0.8, 0.75]])
+    planner.observe("r", 0, 0)  # nothing verified: nothing tested
+    assert planner.measured_scale("r") == pytest.approx(7 / 6.85)
+    planner.observe("other", 2, 1)  # no planned row: ignored
+    assert planner.measured_scale("other") == 1.0
+    # a request whose drafts keep failing stops drafting though its confidences stay high
+    def drafted(weight: float) -> list[bool]:
+        liar = ThroughputPlanner(table, draft_seconds={1: 0.03}, prior=[0.8, 0.6], measured_weight=weight)
+        out = []
+        for _ in range(12):
+            out.append(liar.should_draft(["x"]))
+            if out[-1]:
+                liar.plan(["x"], [[0.8, 0.75]])
+                liar.observe("x", 2, 0)
+        return out
+    assert drafted(0.0) == [True] * 12  # confidences alone: drafting keeps looking worth it
+    assert drafted(4.0)[-3:] == [False] * 3  # 0 survived of 0.8 forecast a round: it stops
+    lagged_table = SPSTable({1: 1.0, 2: 0.7, 3: 0.6})
+    honest = ThroughputPlanner(lagged_table, prior=[0.8, 0.6])
+    for _ in range(3):
+        honest.plan(["x"], [[0.8, 0.75]])
+    assert honest.plan(["x"], [[0.8, 0.75]]) == [2]
+    liar = ThroughputPlanner(lagged_table, prior=[0.8, 0.6])  # measured_weight 8
+    for _ in range(10):  # scale 8 / (8 + 10 x 0.8) = 0.5
+        liar.plan(["x"], [[0.8, 0.75]])
+        liar.observe("x", 2, 0)
+    assert liar.plan(["x"], [[0.8, 0.75]]) == [0]  # the lagged budget reads the scaled row
+    with pytest.raises(ValueError, match="measured_weight"):
+        ThroughputPlanner(table, measured_weight=-1.0)
 
 
 def test_min_gain_keeps_break_even_speculation_off() -> None:

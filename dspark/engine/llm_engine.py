@@ -283,6 +283,7 @@ class LLMEngine:
             counters.drafted += len(proposal.tokens[i])
             counters.verified += l
             counters.accepted += acc.num_accepted
+        self.planner.observe(seq.request_id, l, acc.num_accepted)
         ss.accept_lengths.append(committed)
         ss.verify_lengths.append(l)
         ss.confidences.append(proposal.confidences[i][: len(proposal.tokens[i])] if proposal.confidences else [])

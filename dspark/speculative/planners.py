@@ -233,6 +233,10 @@ class Planner(ABC):
         """How many drafts per request this round can use (asked before drafting; default all)."""
         return max_drafts
 
+    def observe(self, request_id: str | int, verified: int, accepted: int) -> None:
+        """This round's outcome for a request: of the `verified` drafts planned, the first `accepted`
+        survived (no-op for planners that do not learn from outcomes)."""
+
     def release(self, request_id: str | int) -> None:
         """Forget any state kept for a finished request (no-op for stateless planners)."""
 
@@ -270,7 +274,8 @@ class ThroughputPlanner(Planner):
                  draft_seconds: dict[int, float] | None = None, probe_every: int = 8,
                  prior: Sequence[float] | None = None, idle_probe_every: int = 32,
                  min_gain: float = 0.0, outlook_weight: float = 0.25,
-                 draft_seconds_one: dict[int, float] | None = None, block_size: int = 0) -> None:
+                 draft_seconds_one: dict[int, float] | None = None, block_size: int = 0,
+                 backoff: bool = True, measured_weight: float = 8.0) -> None:
         """variant in {"lagged", "algorithm1"}; lag = rounds between a confidence row and its use.
 
         draft_seconds: measured time of one drafting pass per batch size. With it, the drafter is
@@ -292,6 +297,17 @@ class ThroughputPlanner(Planner):
 
         draft_seconds_one and block_size: the same rounds with one draft instead of block_size; with
         them a round's cost follows its lagged budget (num_drafts), not the whole block's.
+
+        backoff: a probe after which speculation still cannot pay doubles the request's probe interval,
+        up to `idle_probe_every`; a round where it pays resets it. On text where the drafter fails,
+        probes at a fixed interval cost a drafting pass each and find nothing.
+
+        measured_weight: the drafter's confidences are calibrated on its training mix; on other text
+        they can forecast more survival than the request's drafts achieve (or less). The planner counts,
+        per request, the drafts its verified rounds tested (a round tests drafts 1..min(l, accepted + 1))
+        against the sum of their confidences, and scales the confidences it plans with (outlook, lagged
+        rows) by (survived + w) / (forecast + w), w = measured_weight drafts of pseudo-count (a new
+        request starts at 1; 0 turns the correction off). Past rounds only, so it is lossless.
 
         min_gain: speculation (drafting, and a lagged verify budget) must beat plain decoding by this
         fraction of expected tokens/s. The SPS table and drafting times are measurements with errors of
@@ -325,6 +341,14 @@ class ThroughputPlanner(Planner):
         # request id -> confidence rows of its last `lag` rounds, oldest first
         self._history: dict[str | int, deque[list[float]]] = {}
         self._undrafted: dict[str | int, int] = {}  # request id -> rounds since it last drafted
+        self.backoff = backoff
+        self._backoff: dict[str | int, int] = {}  # request id -> doublings of its probe interval
+        self._probed: set[str | int] = set()  # requests whose last drafted round was a probe
+        if measured_weight < 0:
+            raise ValueError(f"measured_weight must be >= 0, got {measured_weight}")
+        self.measured_weight = measured_weight
+        self._row: dict[str | int, list[float]] = {}  # request id -> this round's confidence row (for observe)
+        self._tested: dict[str | int, list[float]] = {}  # request id -> [drafts survived, their forecast]
 
     def draft_seconds(self, num_requests: int, num_drafts: int | None = None) -> float | None:
         """Drafting time for a batch: linear between measured sizes, proportional beyond the largest.
@@ -360,10 +384,12 @@ class ThroughputPlanner(Planner):
 
     def should_draft(self, request_ids: Sequence[str | int], extra_tokens: int = 0,
                      context_tokens: int | None = None) -> bool:
-        """Draft unless speculation cannot pay this round (see speculation_pays). A new request is
-        judged by the prior (with no prior, or no measured drafting time, the round drafts). A
-        request that has gone `probe_every` rounds without drafts (`idle_probe_every` where the
-        prior cannot pay at this load) makes the round draft anyway, so its confidences stay current."""
+        """Draft unless speculation cannot pay this round (see speculation_pays), judged by each request's
+        outlook scaled by its measured survival. A new request is judged by the prior (with no prior, or
+        no measured drafting time, the round drafts). A request that has gone its probe interval without
+        drafts makes the round draft anyway, so its confidences stay current: `probe_every` rounds,
+        doubled after each probe that left speculation unpaying (backoff) up to `idle_probe_every`, which
+        is also the interval where the prior cannot pay at this load."""
         r = len(request_ids)
         if self.draft_seconds(r) is None:
             return True
@@ -371,18 +397,31 @@ class ThroughputPlanner(Planner):
         def t(budget: int) -> float:  # a round drafts min(block, budget) per request
             return self.draft_seconds(r, min(budget, self.block_size or budget))
 
-        idle = max(self._undrafted.get(rid, 0) + 1 for rid in request_ids)  # rounds without drafts, at most
-        due = idle >= self.idle_probe_every or idle >= self.probe_every and (
-            self.prior is None or speculation_pays([self.prior] * len(request_ids), self.table, t, extra_tokens,
-                                                   context_tokens, self.min_gain))
         latest = []
         for rid in request_ids:
             outlook = self._outlook.get(rid)
-            latest.append(_conditional(outlook) if outlook else self.prior)  # None: no prior, so draft
-        if (due or any(row is None for row in latest)
-                or speculation_pays(latest, self.table, t, extra_tokens, context_tokens, self.min_gain)):
+            latest.append(self._scaled(rid, _conditional(outlook)) if outlook else self.prior)  # None: draft
+        if any(row is None for row in latest) or speculation_pays(latest, self.table, t, extra_tokens,
+                                                                  context_tokens, self.min_gain):
             for rid in request_ids:
                 self._undrafted[rid] = 0
+                self._backoff.pop(rid, None)
+                self._probed.discard(rid)
+            return True
+        for rid in request_ids:  # a probe that left speculation unpaying: wait longer for the next
+            if rid in self._probed:
+                self._probed.discard(rid)
+                if self.backoff:
+                    self._backoff[rid] = self._backoff.get(rid, 0) + 1
+        idle = [self._undrafted.get(rid, 0) + 1 for rid in request_ids]  # rounds without drafts
+        backed_off = [self.probe_every << min(self._backoff.get(rid, 0), 30) for rid in request_ids]
+        due = max(idle) >= self.idle_probe_every or any(i >= b for i, b in zip(idle, backed_off)) and (
+            self.prior is None or speculation_pays([self.prior] * r, self.table, t, extra_tokens, context_tokens,
+                                                   self.min_gain))
+        if due:
+            for rid in request_ids:
+                self._undrafted[rid] = 0
+                self._probed.add(rid)
             return True
         for rid in request_ids:
             self._undrafted[rid] = self._undrafted.get(rid, 0) + 1
@@ -394,6 +433,7 @@ class ThroughputPlanner(Planner):
         _check_batch(request_ids, conf)
         for rid, row in zip(request_ids, conf):
             self._update_outlook(rid, row)
+            self._row[rid] = [float(c) for c in row]
         if self.variant == ThroughputVariant.ALGORITHM1:
             return plan_algorithm1(conf, self.table, early_stop=True, extra_tokens=extra_tokens,
                                    context_tokens=context_tokens)
@@ -427,7 +467,7 @@ class ThroughputPlanner(Planner):
         for rid, width in zip(request_ids, widths):
             hist = self._history.get(rid)
             if hist is not None and len(hist) == self.lag:
-                lagged.append(hist[0])
+                lagged.append(self._scaled(rid, hist[0]))
             else:
                 # No history `lag` rounds back (a new request). Substituting the current row would
                 # break the causal barrier: the global argmax could then let a_{k+1} (a function of
@@ -466,11 +506,32 @@ class ThroughputPlanner(Planner):
             new.append(new[-1] * c)
         self._outlook[rid] = new
 
+    def observe(self, request_id: str | int, verified: int, accepted: int) -> None:
+        """Count the drafts this round tested against their confidences (see measured_weight)."""
+        row = self._row.pop(request_id, None)
+        if not row or verified <= 0:
+            return
+        tested = min(verified, accepted + 1, len(row))
+        counts = self._tested.setdefault(request_id, [0.0, 0.0])
+        counts[0] += min(accepted, tested)
+        counts[1] += sum(row[:tested])
+
+    def measured_scale(self, request_id: str | int) -> float:
+        """(drafts survived + w) / (their confidences' sum + w): 1 until the request has tested drafts."""
+        survived, forecast = self._tested.get(request_id, (0.0, 0.0))
+        w = self.measured_weight
+        return 1.0 if w == 0 else (survived + w) / (forecast + w)
+
+    def _scaled(self, rid: str | int, row: Sequence[float]) -> list[float]:
+        """A confidence row scaled by the request's measured survival (each value capped at 1)."""
+        g = self.measured_scale(rid)
+        return [min(1.0, g * float(c)) for c in row]
+
     def release(self, request_id: str | int) -> None:
         """Drop the request's confidence history."""
-        self._history.pop(request_id, None)
-        self._outlook.pop(request_id, None)
-        self._undrafted.pop(request_id, None)
+        for state in (self._history, self._outlook, self._undrafted, self._backoff, self._row, self._tested):
+            state.pop(request_id, None)
+        self._probed.discard(request_id)
 
 
 def make_planner(name: str, table: SPSTable | None = None, **kw: object) -> Planner:
