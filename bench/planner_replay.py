@@ -77,8 +77,7 @@ def record(llm, prompts: list[list[int]], max_tokens: int) -> list[Trace]:
             drafter.extend_many([cache], [hidden[fed:pos]], [fed])
             fed = pos
             d = drafter.draft([cache], [answer[j]], [pos], num_drafts=gamma, return_logits=False)
-            z = d.conf_logits.float()[0]
-            c = torch.sigmoid(z / proposer.sts[: z.shape[0]] if proposer.sts is not None else z).tolist()
+            c = proposer.confidences(d.conf_logits)[0]
             drafts, truth = d.tokens[0].tolist(), answer[j + 1:]
             k = 0
             while k < min(len(drafts), len(truth)) and drafts[k] == truth[k]:

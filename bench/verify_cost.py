@@ -17,24 +17,7 @@ import torch
 from dspark import LLM, SamplingParams
 from dspark.cache import blocks_for
 from dspark.models.attention import KV_ALIGN
-
-
-def timed_step(dec, cache, n: int, ctx: int, gen, hidden_layers=()) -> float:
-    """Seconds of one verify forward of n random tokens after ctx cached positions (the profile's step)."""
-    ids = torch.randint(dec.config.vocab_size, (n,), generator=gen)
-    pos = torch.arange(ctx, ctx + n)
-    if cache.length(0) > ctx:
-        cache.truncate(0, ctx)
-    elif cache.length(0) < ctx:
-        cache.reserve(0, ctx)
-        cache.prepare([0], [ctx - cache.length(0)])
-    cache.reserve(0, ctx + n)
-    meta = cache.prepare([0], [n])
-    t = time.perf_counter()
-    dec(ids, pos, cache, meta, logits_rows=torch.arange(n), hidden_layers=hidden_layers)
-    elapsed = time.perf_counter() - t
-    cache.truncate(0, ctx)
-    return elapsed
+from dspark.speculative.profile import _time_step
 
 
 def main() -> None:
@@ -62,12 +45,12 @@ def main() -> None:
     with torch.inference_mode():
         for rep in range(args.repeats + 1):  # pass 0 warms up
             for n in range(1, widest + 1):
-                timed_step(dec, cache, 1, ctx, gen)
-                hot = timed_step(dec, cache, n, ctx, gen)
+                _time_step(dec, cache, [1], ctx, gen)
+                hot = _time_step(dec, cache, [n], ctx, gen)
                 draft_round()
-                cold = timed_step(dec, cache, n, ctx, gen)
+                cold = _time_step(dec, cache, [n], ctx, gen)
                 draft_round()
-                tapped = timed_step(dec, cache, n, ctx, gen, layers)
+                tapped = _time_step(dec, cache, [n], ctx, gen, layers)
                 if rep:
                     for name, t in (("back to back", hot), ("after drafting", cold), ("after drafting, tapped", tapped)):
                         times.setdefault((name, n), []).append(t)

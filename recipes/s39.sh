@@ -4,7 +4,7 @@
 # 2. greedy answers to the seed-36 mix of ShareGPT first turns and HumanEval-shaped package prompts, from
 #    shard 34 on;
 # 3. sampled answers to the HumanEval-shaped package prompts under --seed 38, from shard 6 on
-#    (finished shards are skipped: the same commands as session 38 continue each stream);
+#    (recipes/s38.sh's data steps again: finished shards are skipped, so they continue each stream);
 # 4. the shipped drafter (stage Q) continues in one process beside two twins on the same batches: its DFlash
 #    twin, and the same drafter at half the peak learning rate (1.5e-4 against 3e-4: every stage restarts
 #    warmup and cosine from the shipped weights, and stage Q tied stage P on gsm8k; a lower peak asks whether
@@ -15,18 +15,8 @@
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
 D=${DSPARK_BIN:-.venv/bin/dspark}
-SAMPLED=(--temperature 0.7 --top-p 0.8 --top-k 20 --max-tokens 320 --shard-size 128 --max-num-seqs 64)
-if [[ "${SKIP_DATA:-0}" != 1 ]]; then
-    [[ -f runs/data/sharegpt-chats-2k/manifest.json ]] || \
-        $D train-data --out runs/data/sharegpt-chats-2k --sharegpt-chats 2000 --max-len 1024 --shard-size 500
-    $D train-data --out runs/data/gen-sampled-38 --prompts "$P/gsm8k_train.jsonl" --seed 38 \
-        --prompt-suffix 'Please reason step by step, and put your final answer within \boxed{}.' \
-        "${SAMPLED[@]}" --time-limit "${GEN_SECONDS:-900}"
-    $D train-data --out runs/data/gen-chat-36 --sharegpt 6000 --package-test-prompts 1500 --seed 36 \
-        --skip-answered runs/data/gen-code-34 --max-tokens 320 --shard-size 128 --max-num-seqs 64 \
-        --time-limit "${CHAT_SECONDS:-600}"
-    $D train-data --out runs/data/gen-code-38 --package-test-prompts 7855 --seed 38 \
-        "${SAMPLED[@]}" --time-limit "${CODE_SECONDS:-500}"
+if [[ "${SKIP_DATA:-0}" != 1 ]]; then  # steps 1-3 are session 38's data commands, continued
+    SKIP_TRAIN=1 bash recipes/s38.sh
 fi
 [[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
 $D train --data runs/data/gen-sampled-38:2 --data runs/data/gen-sampled-31:2 --data runs/data/gen-chat-36:2 \

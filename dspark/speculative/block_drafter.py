@@ -50,11 +50,13 @@ class BlockDrafterProposer:
         )
         tokens = out.tokens.tolist()
         probs = [None] * len(seqs) if out.probs is None else list(out.probs.float())
-        conf = None
-        if out.conf_logits is not None:
-            z = out.conf_logits.float().cpu()
-            conf = torch.sigmoid(z / self.sts[: z.shape[1]] if self.sts is not None else z).tolist()
+        conf = None if out.conf_logits is None else self.confidences(out.conf_logits)
         return Proposal(tokens=tokens, probs=probs, confidences=conf)
+
+    def confidences(self, conf_logits: torch.Tensor) -> list[list[float]]:
+        """The drafter's confidence logits [n, k] as STS-calibrated conditional survival c_1..c_k per row."""
+        z = conf_logits.float().cpu()
+        return torch.sigmoid(z / self.sts[: z.shape[1]] if self.sts is not None else z).tolist()
 
     @torch.inference_mode()
     def observe(self, seq: Sequence, hidden: torch.Tensor | None, start: int) -> None:

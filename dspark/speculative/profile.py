@@ -119,9 +119,11 @@ def profile_sps(decoder: Decoder, sizes: list[int], *, seq_counts: list[int] = (
                     device=str(decoder.device))
 
 
-def _time_step(decoder: Decoder, cache, lens: list[int], ctx: int, gen: torch.Generator) -> float:
+def _time_step(decoder: Decoder, cache, lens: list[int], ctx: int, gen: torch.Generator,
+               hidden_layers: tuple[int, ...] = ()) -> float:
     """Seconds of one verify forward: sequence r of `cache` appends lens[r] random tokens after `ctx`
-    cached positions (marked written, not computed), logits on every row; the cache is put back."""
+    cached positions (marked written, not computed), logits on every row (and the hidden_layers tapped,
+    as for a drafter); the cache is put back."""
     dev, total = decoder.device, sum(lens)
     ids = torch.randint(decoder.config.vocab_size, (total,), generator=gen).to(dev)
     pos = torch.cat([torch.arange(ctx, ctx + n) for n in lens]).to(dev)
@@ -134,7 +136,7 @@ def _time_step(decoder: Decoder, cache, lens: list[int], ctx: int, gen: torch.Ge
         cache.reserve(r, ctx + n)  # truncate() below hands the tail blocks back
     meta = cache.prepare(list(range(len(lens))), lens)
     t = time.perf_counter()
-    decoder(ids, pos, cache, meta, logits_rows=torch.arange(total, device=dev))
+    decoder(ids, pos, cache, meta, logits_rows=torch.arange(total, device=dev), hidden_layers=hidden_layers)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
