@@ -11,10 +11,11 @@ stay the final word: the cost model is only as good as the SPS table and the dra
 
 Variants: `base` (backoff and measured survival off: the planner before them), `default` (the engine's
 defaults), and any `NAME:key=value,...` of ThroughputPlanner's keywords (probe_every, idle_probe_every,
-min_gain, outlook_weight, backoff, measured_weight).
+variant, lag, min_gain, outlook_weight, backoff, measured_weight), plus plan_at_price=1: plan with the pricing table
+(--per-draft or --price-table) instead of the engine's.
 
     .venv/bin/python bench/planner_replay.py [--draft-model DIR] [--num-prompts 10] [--max-tokens 128]
-        [--variant NAME:key=value,...] [--json OUT]
+        [--variant NAME:key=value,...] [--sps-table JSON] [--traces FILE] [--json OUT]
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-KEYS = {"plan_per_draft": int, "probe_every": int, "idle_probe_every": int, "min_gain": float, "outlook_weight": float,
+KEYS = {"plan_at_price": int, "variant": str, "lag": int, "probe_every": int, "idle_probe_every": int, "min_gain": float, "outlook_weight": float,
         "backoff": lambda v: v.lower() in ("1", "true", "yes"), "measured_weight": float}
 BASE = {"backoff": False, "measured_weight": 0.0}
 
@@ -113,7 +114,8 @@ def replay(planner, traces: list[Trace], gamma: int, price=None) -> dict:
             if planner.should_draft([rid]):
                 n = planner.num_drafts([rid], gamma)
                 drafted += 1
-                cost += planner.draft_seconds(1, n)
+                # the drafting round as the same fraction of a step in the pricing table as in the planner's
+                cost += planner.draft_seconds(1, n) * planner.table.sps(1, 1) / table.sps(1, 1)
                 row = tr.conf[j][:n]
                 window = min(planner.plan([rid], [row])[0], n)
                 kept = min(window, tr.keeps[j])
@@ -143,8 +145,13 @@ def main() -> None:
                    help="price a batch-1 drafting round at these fractions of a one-token step (a whole block, "
                         "one draft) instead of the start-up measurement, which a busy host distorts")
     p.add_argument("--per-draft", type=float, default=None, metavar="F",
-                   help="also price (and, in variants that say plan_per_draft=1, plan) every window as 1 + F steps "
+                   help="also price (and, in variants that say plan_at_price=1, plan) every window as 1 + F steps "
                         "per draft instead of by the SPS table")
+    p.add_argument("--sps-table", default=None, metavar="JSON",
+                   help="plan and price with this SPS table (e.g. one from `dspark profile`) instead of the cached one")
+    p.add_argument("--price-table", default=None, metavar="JSON",
+                   help="price every round by this SPS table (e.g. one from `dspark profile` on idle cores) instead "
+                        "of the planner's; variants that say plan_at_price=1 also plan with it")
     p.add_argument("--traces", default=None, help="a file to keep the recorded traces in (reused when it exists)")
     p.add_argument("--json", default=None, help="write the table here too")
     args = p.parse_args()
@@ -155,7 +162,8 @@ def main() -> None:
     from dspark.bench.offline import encode_prompts
     from dspark.speculative.planners import ThroughputPlanner
 
-    llm = LLM(speculative_algorithm="DSPARK", draft_model=args.draft_model, max_num_seqs=1, profile_progress=False)
+    llm = LLM(speculative_algorithm="DSPARK", draft_model=args.draft_model, max_num_seqs=1, profile_progress=False,
+              sps_table=args.sps_table)
     built = llm.engine.planner
     if not isinstance(built, ThroughputPlanner) or not built.draft_table:
         raise SystemExit("the engine built no throughput planner with drafting times")
@@ -173,13 +181,18 @@ def main() -> None:
     stored = {}
     if args.traces and Path(args.traces).is_file():
         stored = {k: [Trace(**t) for t in v] for k, v in json.loads(Path(args.traces).read_text()).items()}
+    if args.per_draft is not None and args.price_table:
+        raise SystemExit("--per-draft and --price-table both set the price: give one")
     price = linear_table(built.table, args.per_draft) if args.per_draft is not None else None
+    if args.price_table:
+        from dspark.speculative.cost_table import SPSTable
+        price = SPSTable.load(args.price_table)
     for ds in load_datasets([args.dataset], limit=args.num_prompts):
         if ds.name not in stored:
             stored[ds.name] = record(llm, encode_prompts(llm.tokenizer, ds.prompts, raw=False), args.max_tokens)
         for name, kw in variants:
             kw = dict(kw)
-            table = price if kw.pop("plan_per_draft", 0) and price is not None else built.table
+            table = price if kw.pop("plan_at_price", 0) and price is not None else built.table
             planner = ThroughputPlanner(table, prior=prior, **{**common, **kw})
             results.setdefault(ds.name, {})[name] = replay(planner, stored[ds.name], gamma, price)
     if args.traces:

@@ -8,7 +8,8 @@ import os
 from dspark.config import EngineConfig
 from dspark.errors import ConfigError
 from dspark.models.loader import DTYPE_CHOICES, QUANTIZATION_CHOICES
-from dspark.speculative.config import Algorithm, DraftQuantization, PlannerKind, SpsProfile, VerifyMode, choices
+from dspark.speculative.config import (Algorithm, DraftQuantization, PlannerKind, SpsProfile, ThroughputVariant,
+                                       VerifyMode, choices)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,11 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="SGLang's name: must equal block size + 1 (anchor + drafts)")
     g.add_argument("--speculative-dspark-planner", dest="planner", default="throughput", choices=choices(PlannerKind))
     g.add_argument("--speculative-dspark-threshold", dest="threshold", type=float, default=0.5)
+    g.add_argument("--speculative-dspark-throughput-variant", dest="throughput_variant", default="lagged",
+                   choices=choices(ThroughputVariant),
+                   help="throughput planner: lagged (a verify budget from confidences two rounds back, searched "
+                        "globally over the SPS curve) or algorithm1 (this round's confidences, admitted while "
+                        "each draft raises expected tokens/s)")
     g.add_argument("--speculative-dspark-no-skip-drafting", dest="skip_drafting", action="store_false",
                    help="throughput planner: draft every round, even where drafting cannot pay")
     g.add_argument("--speculative-dspark-min-gain", dest="min_gain", type=float, default=0.05,
@@ -59,6 +65,7 @@ SPECULATIVE_FLAGS = {
     "speculative_algorithm": "--speculative-algorithm", "draft_model": "--speculative-draft-model-path",
     "num_speculative_tokens": "--speculative-dspark-block-size / --speculative-num-draft-tokens",
     "planner": "--speculative-dspark-planner", "threshold": "--speculative-dspark-threshold",
+    "throughput_variant": "--speculative-dspark-throughput-variant",
     "skip_drafting": "--speculative-dspark-no-skip-drafting", "min_gain": "--speculative-dspark-min-gain",
     "sps_table": "--speculative-dspark-sps-table-path", "sps_profile": "--speculative-dspark-sps-profile",
     "sts_path": "--speculative-dspark-confidence-sts-path", "verify_mode": "--ragged-verify-mode",
@@ -85,7 +92,7 @@ def speculative_options(args: argparse.Namespace, sps_profile: str = "full") -> 
         raise ValueError(f"SGLANG_RAGGED_VERIFY_MODE must be one of {', '.join(choices(VerifyMode))}, got {mode!r}")
     return dict(speculative_algorithm=args.speculative_algorithm, draft_model=args.draft_model,
                 num_speculative_tokens=drafts, planner=args.planner, threshold=args.threshold,
-                sps_table=args.sps_table, sts_path=args.sts_path, verify_mode=mode, skip_drafting=args.skip_drafting,
+                throughput_variant=args.throughput_variant, sps_table=args.sps_table, sts_path=args.sts_path, verify_mode=mode, skip_drafting=args.skip_drafting,
                 min_gain=args.min_gain, sps_profile=args.sps_profile or sps_profile,
                 draft_quantization=args.draft_quantization)
 

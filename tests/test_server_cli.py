@@ -149,3 +149,19 @@ def test_python_m_dspark_serve_starts_and_serves(tiny_llama_dir, tmp_path):
     positions = [text.find(s) for s in stages]
     assert -1 not in positions and positions == sorted(positions), text
     assert "KV cache 4096 tokens" in text
+
+
+def test_throughput_variant_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from dspark.cli_args import add_speculative_args, engine_config, speculative_options
+    from dspark.speculative.config import ThroughputVariant
+
+    p = argparse.ArgumentParser()
+    add_speculative_args(p)
+    for argv, want in (([], ThroughputVariant.LAGGED),
+                       (["--speculative-dspark-throughput-variant", "algorithm1"], ThroughputVariant.ALGORITHM1)):
+        args = p.parse_args(["--speculative-algorithm", "DSPARK", *argv])
+        assert engine_config(speculative_options(args)).speculative.throughput_variant == want
+    with pytest.raises(SystemExit):  # argparse names the choices
+        p.parse_args(["--speculative-dspark-throughput-variant", "best"])

@@ -52,6 +52,7 @@ def register(sub) -> None:
 
     o.add_argument("--methods", default=None,
                    help="comma list of ar, ngram, dflash, dspark (= dspark-fixed, -threshold, -throughput), "
+                        "dspark-algorithm1 (the throughput planner's algorithm1 variant), "
                         "hf, hf-pld, llama.cpp (llama-cpp-python), llama.cpp-server, llama.cpp-dspark, "
                         "llama.cpp-dspark-pmin (llama-server from `make llamacpp`) "
                         f"(default: {DEFAULT_METHODS}; with --quick: {QUICK['methods']})")

@@ -23,11 +23,12 @@ ENGINE_METHODS = {  # name -> EngineConfig keywords
     "dspark-fixed": dict(speculative_algorithm="DSPARK", planner="fixed"),
     "dspark-threshold": dict(speculative_algorithm="DSPARK", planner="threshold"),
     "dspark-throughput": dict(speculative_algorithm="DSPARK", planner="throughput"),
+    "dspark-algorithm1": dict(speculative_algorithm="DSPARK", planner="throughput", throughput_variant="algorithm1"),
 }
 REFERENCE_METHODS = ("hf", "hf-pld", "llama.cpp", *LLAMA_SERVER_METHODS)
 ALIASES = {"dspark": ("dspark-fixed", "dspark-threshold", "dspark-throughput"), "plain": ("ar",)}
 DEFAULT_METHODS = "ar,ngram,dflash,dspark,hf,hf-pld,llama.cpp"
-DRAFTING = {"ngram", "dflash", "dspark-fixed", "dspark-threshold", "dspark-throughput", "hf-pld",
+DRAFTING = {"ngram", "dflash", "dspark-fixed", "dspark-threshold", "dspark-throughput", "dspark-algorithm1", "hf-pld",
             "llama.cpp-dspark", "llama.cpp-dspark-pmin"}
 
 

@@ -434,9 +434,9 @@ class ThroughputPlanner(Planner):
         for rid, row in zip(request_ids, conf):
             self._update_outlook(rid, row)
             self._row[rid] = [float(c) for c in row]
-        if self.variant == ThroughputVariant.ALGORITHM1:
-            return plan_algorithm1(conf, self.table, early_stop=True, extra_tokens=extra_tokens,
-                                   context_tokens=context_tokens)
+        if self.variant == ThroughputVariant.ALGORITHM1:  # this round's rows, scaled by past rounds only
+            return plan_algorithm1([self._scaled(rid, row) for rid, row in zip(request_ids, conf)], self.table,
+                                   early_stop=True, extra_tokens=extra_tokens, context_tokens=context_tokens)
         lagged = self._lagged_rows(request_ids, [len(row) for row in conf])
         round_key, budget = self._round_budget
         self._round_budget = (None, None)
