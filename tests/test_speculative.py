@@ -246,19 +246,37 @@ def test_quick_profile_is_a_coarser_grid_and_a_cached_full_table_wins(tiny_llama
     assert len(steps) == 2 * jobs + jobs + 3  # full warm-up; light: one step per sequence count + the biggest
 
 
-def test_drafting_rounds_are_priced_in_the_tables_step_time(tiny_llama_dir, drafters):
+def test_drafting_rounds_are_priced_in_the_tables_step_time(tiny_llama_dir, drafters, monkeypatch):
+    import types
+
+    from dspark.speculative import profile
     from dspark.speculative.profile import profile_drafting
 
     decoder = load_decoder(tiny_llama_dir)
     drafter = DSparkDrafter.from_pretrained(drafters["DSPARK"], decoder.embed_tokens.weight, decoder.lm_head.weight)
     alone = profile_drafting(drafter, [1, 2], context=16, repeats=2)
     assert sorted(alone) == [1, 2] and all(t > 0 for t in alone.values())
-    # paired with target steps: the round's cost as a fraction of a step, in the table's step time,
-    # so a table whose steps take 1000x longer prices the same round about 1000x dearer
-    fast, slow = SPSTable({1: 1000.0, 2: 900.0}), SPSTable({1: 1.0, 2: 0.9})
-    kw = dict(decoder=decoder, context=16, repeats=3)
-    ratio = profile_drafting(drafter, [1], table=slow, **kw)[1] / profile_drafting(drafter, [1], table=fast, **kw)[1]
-    assert 100 < ratio < 10_000
+    # paired with target steps: the round's cost as a fraction of a step, in the table's step time. On a
+    # clock where a drafting round takes 3 ticks per request and a target step 2, a round of r requests is
+    # 1.5 r steps of whatever the table says a step takes
+    clock = types.SimpleNamespace(now=0.0, tick=1.0)
+
+    def perf_counter() -> float:
+        clock.now += clock.tick
+        return clock.now
+
+    real_draft = type(drafter).draft
+
+    def draft(self, caches, *args, **kw):
+        clock.now += 3.0 * len(caches) - clock.tick  # the timer's closing read adds the last tick
+        return real_draft(self, caches, *args, **kw)
+
+    monkeypatch.setattr(profile, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(profile, "_time_step", lambda *args, **kw: 2.0)
+    monkeypatch.setattr(type(drafter), "draft", draft)
+    for table in (SPSTable({1: 1000.0, 2: 900.0}), SPSTable({1: 1.0, 2: 0.9})):
+        got = profile_drafting(drafter, [1, 2], decoder=decoder, table=table, context=16, repeats=3)
+        assert got == pytest.approx({1: 1.5 / table.sps(1), 2: 3.0 / table.sps(1)})
 
 
 def test_profile_command_rejects_bad_sizes(capsys):
