@@ -43,8 +43,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-dspark-throughput-variant", dest="throughput_variant", default="lagged",
                    choices=choices(ThroughputVariant),
                    help="throughput planner: lagged (a verify budget from confidences two rounds back, searched "
-                        "globally over the SPS curve) or algorithm1 (this round's confidences, admitted while "
-                        "each draft raises expected tokens/s)")
+                        "globally over the SPS curve), algorithm1 (this round's confidences, admitted while "
+                        "each draft raises expected tokens/s), or auto (algorithm1 for a lone request, lagged "
+                        "for a batch)")
     g.add_argument("--speculative-dspark-no-skip-drafting", dest="skip_drafting", action="store_false",
                    help="throughput planner: draft every round, even where drafting cannot pay")
     g.add_argument("--speculative-dspark-min-gain", dest="min_gain", type=float, default=0.05,

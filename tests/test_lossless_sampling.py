@@ -28,7 +28,8 @@ from dspark.sampling.rejection import Acceptance
 from dspark.sampling.sampler import sample, warp_probs
 from dspark.sampling_params import SamplingParams
 from dspark.speculative.block_drafter import BlockDrafterProposer
-from dspark.speculative.planners import ThresholdPlanner
+from dspark.speculative.cost_table import SPSTable
+from dspark.speculative.planners import ThresholdPlanner, ThroughputPlanner
 from dspark.speculative.proposer import Proposal
 
 VOCAB = 6
@@ -248,6 +249,7 @@ SPEC_CASES = {
     "dspark": dict(proposer="dspark", top_k=-1),
     "dspark-topk": dict(proposer="dspark", top_k=4),
     "dspark-threshold-planner": dict(proposer="dspark", top_k=-1, planner=0.5),
+    "dspark-algorithm1-planner": dict(proposer="dspark", top_k=-1, planner="algorithm1"),
     "fixed-q": dict(proposer="fixed", top_k=-1),
     "fixed-q-topk": dict(proposer="fixed", top_k=4),
     "point-mass": dict(proposer="point", top_k=-1),
@@ -255,6 +257,18 @@ SPEC_CASES = {
     "seeded-dspark-topk": dict(proposer="dspark", top_k=4, keyed=True),
     "seeded-fixed-q-peeking-planner": dict(proposer="peeking", top_k=-1, planner=0.5, keyed=True),
 }
+
+
+def make_case_planner(kind: float | str | None):
+    """A threshold (a number), the throughput planner's algorithm1 variant, or none. Its table prices each
+    token of a step at 1e-4 of a one-token step: in these steps of BATCH requests a draft then pays only
+    if its survival is above ~0.1-0.3, so some are cut."""
+    if kind is None:
+        return None
+    if kind == "algorithm1":
+        sizes = range(1, BATCH * (1 + GAMMA) + 1)
+        return ThroughputPlanner(SPSTable({n: 1.0 / (1.0 + 1e-4 * (n - 1)) for n in sizes}), variant="algorithm1")
+    return ThresholdPlanner(kind)
 
 
 def make_proposer(kind: str, decoder):
@@ -266,7 +280,7 @@ def make_proposer(kind: str, decoder):
 def test_speculative_sampling_matches_exact(name, target, exact) -> None:
     case = SPEC_CASES[name]
     decoder = target[0]
-    planner = ThresholdPlanner(case["planner"]) if "planner" in case else None
+    planner = make_case_planner(case.get("planner"))
     counts, engine = generate(decoder, make_proposer(case["proposer"], decoder), planner, top_k=case["top_k"],
                               seed0=10_000, keyed=case.get("keyed", False))
     st = engine.stats
@@ -316,9 +330,10 @@ class PeekingProposer(FixedDistributionProposer):
         return Proposal(tokens=p.tokens, probs=p.probs, confidences=conf)
 
 
-def test_window_that_peeks_at_the_draft_is_detected(target, exact) -> None:
+@pytest.mark.parametrize("planner", [0.5, "algorithm1"], ids=["threshold", "algorithm1"])
+def test_window_that_peeks_at_the_draft_is_detected(planner, target, exact) -> None:
     """The test also sees a bias introduced by the verify-length path rather than by acceptance."""
-    counts, engine = generate(target[0], PeekingProposer(), ThresholdPlanner(0.5), seed0=10_000)
+    counts, engine = generate(target[0], PeekingProposer(), make_case_planner(planner), seed0=10_000)
     assert engine.stats.verified < engine.stats.drafted
     stat, df, p = chi_square(counts, exact[-1])
     assert p < FAIL_LEVEL, f"a draft-dependent window went unnoticed (chi2 = {stat:.1f}, df = {df}, p = {p:.3g})"

@@ -158,6 +158,29 @@ def test_throughput_planner_uses_confidences_two_rounds_back() -> None:
     assert alg1.plan(["r"], [high]) == plan_algorithm1([high], table)
 
 
+def test_auto_variant_plans_lone_requests_with_algorithm1_and_batches_lagged() -> None:
+    table = SPSTable({1: 1.0, 2: 0.6, 3: 0.6, 4: 0.6, 5: 0.5, 6: 0.5, 7: 0.5, 8: 0.5},
+                     by_seqs={2: {2: 0.9, 3: 0.6, 4: 0.6, 5: 0.6, 6: 0.55, 7: 0.5, 8: 0.5}})
+    low, high = [0.1, 0.1, 0.1], [0.99, 0.99, 0.99]
+    auto, lagged, alg1 = (ThroughputPlanner(table, variant=v) for v in ("auto", "lagged", "algorithm1"))
+    # alone: this round's confidences decide (lagged would verify 3 on its value-free prior, then the
+    # budget of two rounds back), and the lone round asks for the whole block
+    for conf in ([low], [high], [high], [low]):
+        assert auto.num_drafts(["r"], 3) == alg1.num_drafts(["r"], 3) == 3
+        assert auto.plan(["r"], conf) == alg1.plan(["r"], conf)
+    assert auto.plan(["r"], [low]) == [0] and lagged.plan(["r"], [low]) == [3]
+    # with prefill sharing the pass, or beside another request: the lagged budget, from the rows its lone
+    # rounds recorded (rounds alone keep the history a later batch needs)
+    for p in (auto, lagged):
+        p.release("r")
+        for conf in ([low], [high]):  # r's lagged row is now `low`, s has the prior: a budget of 3, not 6
+            p.plan(["r"], conf)
+    both = ([high, high], ["r", "s"])
+    assert auto.num_drafts(both[1], 3) == lagged.num_drafts(both[1], 3) == 3
+    assert auto.plan(both[1], both[0]) == lagged.plan(both[1], both[0]) == [2, 1]
+    assert auto.plan(["r"], [high], extra_tokens=1) == lagged.plan(["r"], [high], extra_tokens=1)
+
+
 def test_speculation_pays_counts_drafting_time() -> None:
     table = SPSTable({1: 10.0, 2: 9.5, 4: 9.0, 8: 8.0})  # plain: 10 tokens/s at batch 1
     sure = [[0.9, 0.9, 0.9]]  # survival .9 .81 .73: about 3.4 tokens per round at 9 rounds/s

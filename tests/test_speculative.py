@@ -63,6 +63,7 @@ CASES = [
     dict(speculative_algorithm="DSPARK", planner="threshold", threshold=0.5),
     dict(speculative_algorithm="DSPARK", planner="throughput"),
     dict(speculative_algorithm="DSPARK", planner="throughput", throughput_variant="algorithm1"),
+    dict(speculative_algorithm="DSPARK", planner="throughput", throughput_variant="auto"),
     dict(speculative_algorithm="DSPARK", verify_mode="static"),
     dict(speculative_algorithm="DSPARK", verify_mode="cap-accept"),
 ]

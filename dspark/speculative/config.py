@@ -25,6 +25,7 @@ class PlannerKind(StrEnum):
 class ThroughputVariant(StrEnum):
     LAGGED = "lagged"  # production: plan with the confidences of two rounds ago (speculative/planners.py)
     ALGORITHM1 = "algorithm1"  # the method's Algorithm 1 on this round's confidences
+    AUTO = "auto"  # algorithm1 for a round of one request and no prefill, lagged for any other round
 
 
 class VerifyMode(StrEnum):

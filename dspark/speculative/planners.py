@@ -276,7 +276,8 @@ class ThroughputPlanner(Planner):
                  min_gain: float = 0.0, outlook_weight: float = 0.25,
                  draft_seconds_one: dict[int, float] | None = None, block_size: int = 0,
                  backoff: bool = True, measured_weight: float = 8.0) -> None:
-        """variant in {"lagged", "algorithm1"}; lag = rounds between a confidence row and its use.
+        """variant in {"lagged", "algorithm1", "auto"} (auto: algorithm1 in rounds of one request and no
+        prefill, lagged in the others); lag = rounds between a confidence row and its use.
 
         draft_seconds: measured time of one drafting pass per batch size. With it, the drafter is
         skipped in rounds where, by each request's outlook, that time and the SPS table, no verify
@@ -429,19 +430,21 @@ class ThroughputPlanner(Planner):
 
     def plan(self, request_ids: Sequence[str | int], conf: Sequence[Sequence[float]],
              extra_tokens: int = 0, context_tokens: int | None = None) -> list[int]:
-        """Verify lengths for this round; the lagged variant also records conf for later rounds."""
+        """Verify lengths for this round; conf is also recorded for later rounds' lagged budgets."""
         _check_batch(request_ids, conf)
         for rid, row in zip(request_ids, conf):
             self._update_outlook(rid, row)
             self._row[rid] = [float(c) for c in row]
-        if self.variant == ThroughputVariant.ALGORITHM1:  # this round's rows, scaled by past rounds only
-            return plan_algorithm1([self._scaled(rid, row) for rid, row in zip(request_ids, conf)], self.table,
-                                   early_stop=True, extra_tokens=extra_tokens, context_tokens=context_tokens)
-        lagged = self._lagged_rows(request_ids, [len(row) for row in conf])
         round_key, budget = self._round_budget
         self._round_budget = (None, None)
-        lengths = plan_lagged_topk(conf, lagged, self.table, extra_tokens, context_tokens, self.min_gain,
-                                   budget if round_key == (tuple(request_ids), extra_tokens, context_tokens) else None)
+        if self._plans_current(request_ids, extra_tokens):  # this round's rows, scaled by past rounds only
+            lengths = plan_algorithm1([self._scaled(rid, row) for rid, row in zip(request_ids, conf)], self.table,
+                                      early_stop=True, extra_tokens=extra_tokens, context_tokens=context_tokens)
+        else:
+            lagged = self._lagged_rows(request_ids, [len(row) for row in conf])
+            lengths = plan_lagged_topk(conf, lagged, self.table, extra_tokens, context_tokens, self.min_gain,
+                                       budget if round_key == (tuple(request_ids), extra_tokens, context_tokens)
+                                       else None)
         for rid, row in zip(request_ids, conf):
             self._history.setdefault(rid, deque(maxlen=self.lag)).append(self._widened(rid, row))
         return lengths
@@ -452,7 +455,7 @@ class ThroughputPlanner(Planner):
         can be given more drafts than the budget: drafting past it would only be thrown away. Where
         the budget is 0 (a round the planner drafts to refresh confidences), the whole block."""
         self._width = max(self._width, max_drafts)
-        if self.variant == ThroughputVariant.ALGORITHM1:
+        if self._plans_current(request_ids, extra_tokens):
             return max_drafts
         lagged = self._lagged_rows(request_ids, [max_drafts] * len(request_ids))
         budget = lagged_budget(lagged, self.table, max_drafts * len(request_ids), extra_tokens, context_tokens,
@@ -460,6 +463,13 @@ class ThroughputPlanner(Planner):
         # plan() of this round finds the same budget (its cap, the drafts made, is at least K): keep it
         self._round_budget = ((tuple(request_ids), extra_tokens, context_tokens), budget)
         return min(max_drafts, budget) if budget else max_drafts
+
+    def _plans_current(self, request_ids: Sequence[str | int], extra_tokens: int) -> bool:
+        """Whether this round runs Algorithm 1 on its own confidences rather than the lagged budget: always
+        for the algorithm1 variant; for auto, a round of one request with no prefill sharing its pass.
+        A round's batch is fixed before it drafts, so choosing by it keeps either rule lossless."""
+        return self.variant == ThroughputVariant.ALGORITHM1 or (
+            self.variant == ThroughputVariant.AUTO and len(request_ids) == 1 and not extra_tokens)
 
     def _lagged_rows(self, request_ids: Sequence[str | int], widths: Sequence[int]) -> list[Sequence[float]]:
         """Each request's confidence row from `lag` rounds back, or a value-free stand-in."""
