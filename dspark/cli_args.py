@@ -40,9 +40,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="SGLang's name: must equal block size + 1 (anchor + drafts)")
     g.add_argument("--speculative-dspark-planner", dest="planner", default="throughput", choices=choices(PlannerKind))
     g.add_argument("--speculative-dspark-threshold", dest="threshold", type=float, default=0.5)
-    g.add_argument("--speculative-dspark-throughput-variant", dest="throughput_variant", default="lagged",
+    g.add_argument("--speculative-dspark-throughput-variant", dest="throughput_variant", default="auto",
                    choices=choices(ThroughputVariant),
-                   help="throughput planner: lagged (a verify budget from confidences two rounds back, searched "
+                   help="throughput planner: auto (the default), lagged (a verify budget from confidences two rounds back, searched "
                         "globally over the SPS curve), algorithm1 (this round's confidences, admitted while "
                         "each draft raises expected tokens/s), or auto (algorithm1 for a lone request, lagged "
                         "for a batch)")

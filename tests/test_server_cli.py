@@ -159,7 +159,7 @@ def test_throughput_variant_flag_reaches_the_engine_config() -> None:
 
     p = argparse.ArgumentParser()
     add_speculative_args(p)
-    for argv, want in (([], ThroughputVariant.LAGGED),
+    for argv, want in (([], ThroughputVariant.AUTO),
                        (["--speculative-dspark-throughput-variant", "algorithm1"], ThroughputVariant.ALGORITHM1)):
         args = p.parse_args(["--speculative-algorithm", "DSPARK", *argv])
         assert engine_config(speculative_options(args)).speculative.throughput_variant == want

@@ -63,7 +63,7 @@ CASES = [
     dict(speculative_algorithm="DSPARK", planner="threshold", threshold=0.5),
     dict(speculative_algorithm="DSPARK", planner="throughput"),
     dict(speculative_algorithm="DSPARK", planner="throughput", throughput_variant="algorithm1"),
-    dict(speculative_algorithm="DSPARK", planner="throughput", throughput_variant="auto"),
+    dict(speculative_algorithm="DSPARK", planner="throughput", throughput_variant="lagged"),
     dict(speculative_algorithm="DSPARK", verify_mode="static"),
     dict(speculative_algorithm="DSPARK", verify_mode="cap-accept"),
 ]
@@ -340,7 +340,7 @@ def test_fewer_drafts_than_the_block_with_sts(tiny_llama_dir, drafters, sps_file
     (src / "sts.json").write_text(json.dumps({"temperatures": [0.9, 1.1, 1.3, 1.5]}))
     for kw in (dict(planner="fixed", num_speculative_tokens=2),
                dict(planner="throughput", sps_table=sps_file, num_speculative_tokens=2),
-               dict(planner="throughput", sps_table=sps_file)):  # the table's cliff: budgets below the block
+               dict(planner="throughput", sps_table=sps_file, throughput_variant="lagged")):  # budgets below the block
         llm = LLM(tiny_llama_dir, kv_cache_mb=8, speculative_algorithm="DSPARK", draft_model=src, **kw)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
         assert llm.engine.stats.drafted > 0

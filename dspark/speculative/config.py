@@ -23,7 +23,7 @@ class PlannerKind(StrEnum):
 
 
 class ThroughputVariant(StrEnum):
-    LAGGED = "lagged"  # production: plan with the confidences of two rounds ago (speculative/planners.py)
+    LAGGED = "lagged"  # plan with the confidences of two rounds ago (speculative/planners.py)
     ALGORITHM1 = "algorithm1"  # the method's Algorithm 1 on this round's confidences
     AUTO = "auto"  # algorithm1 for a round of one request and no prefill, lagged for any other round
 
@@ -71,7 +71,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None  # drafts per round (vLLM's name); None = the drafter's gamma
     planner: PlannerKind = PlannerKind.THROUGHPUT
     threshold: float = 0.5  # for planner="threshold"
-    throughput_variant: ThroughputVariant = ThroughputVariant.LAGGED
+    throughput_variant: ThroughputVariant = ThroughputVariant.AUTO
     skip_drafting: bool = True  # throughput planner: skip the drafter in rounds where it cannot pay
     min_gain: float = 0.05  # throughput planner: speculate only where it beats plain decoding by this fraction
     sps_table: str | None = None  # JSON from `dspark profile`; None = profile once and cache
