@@ -12,6 +12,36 @@ from dspark.speculative.config import (Algorithm, DraftQuantization, PlannerKind
                                        VerifyMode, choices)
 
 
+def count(text: str) -> int:
+    """argparse type: an integer >= 0 (a number of prompts, a shard index)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1 (a size, a length, a number of repeats)."""
+    value = count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="local Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
@@ -34,18 +64,18 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    choices=choices(DraftQuantization),
                    help="the drafter's matrices: auto (int8 where dspark's kernels run), int8, or int4 (4-bit "
                         "groups, round to nearest: fewer bytes a round; needs dspark's AVX-512 kernels)")
-    g.add_argument("--speculative-dspark-block-size", dest="block_size", type=int, default=None,
+    g.add_argument("--speculative-dspark-block-size", dest="block_size", type=positive, default=None,
                    help="drafts per round (gamma); default: the drafter's")
-    g.add_argument("--speculative-num-draft-tokens", dest="num_draft_tokens", type=int, default=None,
+    g.add_argument("--speculative-num-draft-tokens", dest="num_draft_tokens", type=positive, default=None,
                    help="SGLang's name: must equal block size + 1 (anchor + drafts)")
     g.add_argument("--speculative-dspark-planner", dest="planner", default="throughput", choices=choices(PlannerKind))
     g.add_argument("--speculative-dspark-threshold", dest="threshold", type=float, default=0.5)
     g.add_argument("--speculative-dspark-throughput-variant", dest="throughput_variant", default="auto",
                    choices=choices(ThroughputVariant),
-                   help="throughput planner: auto (the default), lagged (a verify budget from confidences two rounds back, searched "
-                        "globally over the SPS curve), algorithm1 (this round's confidences, admitted while "
-                        "each draft raises expected tokens/s), or auto (algorithm1 for a lone request, lagged "
-                        "for a batch)")
+                   help="throughput planner: auto (the default: algorithm1 for a lone request, lagged for a batch), "
+                        "lagged (a verify budget from confidences two rounds back, searched globally over the SPS "
+                        "curve), or algorithm1 (this round's confidences, admitted while each draft raises "
+                        "expected tokens/s)")
     g.add_argument("--speculative-dspark-no-skip-drafting", dest="skip_drafting", action="store_false",
                    help="throughput planner: draft every round, even where drafting cannot pay")
     g.add_argument("--speculative-dspark-min-gain", dest="min_gain", type=float, default=0.05,

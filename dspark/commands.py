@@ -5,7 +5,8 @@ import json
 import sys
 import time
 
-from dspark.cli_args import add_model_args, add_speculative_args, engine_config, model_options, speculative_options
+from dspark.cli_args import (add_model_args, add_speculative_args, engine_config, model_options, positive,
+                             speculative_options)
 
 
 def register(sub) -> None:
@@ -16,7 +17,7 @@ def register(sub) -> None:
     g = sub.add_parser("generate", help="answer one prompt, streaming the text")
     g.add_argument("prompt")
     add_model_args(g)
-    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--max-tokens", type=positive, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
@@ -28,18 +29,18 @@ def register(sub) -> None:
 
     f = sub.add_parser("profile", help="measure the target's steps/s per verify batch size (the SPS table)")
     add_model_args(f)
-    f.add_argument("--max-tokens", type=int, default=128, help="largest verify batch to measure, in tokens")
-    f.add_argument("--max-seqs", type=int, default=1,
+    f.add_argument("--max-tokens", type=positive, default=128, help="largest verify batch to measure, in tokens")
+    f.add_argument("--max-seqs", type=positive, default=1,
                    help="also measure loaded steps of 2..N sequences (the server's --max-running-requests)")
-    f.add_argument("--window", type=int, default=8, help="widest verify window of a loaded step (1 + block size)")
-    f.add_argument("--repeats", type=int, default=5)
+    f.add_argument("--window", type=positive, default=8, help="widest verify window of a loaded step (1 + block size)")
+    f.add_argument("--repeats", type=positive, default=5)
     f.add_argument("--out", default=None, help="JSON path (default: print it)")
     f.set_defaults(func=profile)
 
     d = sub.add_parser("demo", help="the same prompt with plain decoding and with DSpark, side by side")
     add_model_args(d)
     d.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
-    d.add_argument("--max-tokens", type=int, default=128)
+    d.add_argument("--max-tokens", type=positive, default=128)
     add_speculative_args(d)
     d.set_defaults(func=demo, speculative_algorithm="DSPARK")
 
@@ -101,10 +102,6 @@ def profile(args) -> int:
     from dspark.models.loader import load_decoder, resolve_dtype
     from dspark.speculative.profile import measure_sps
 
-    for flag, value in (("--max-tokens", args.max_tokens), ("--max-seqs", args.max_seqs), ("--window", args.window),
-                        ("--repeats", args.repeats)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
     path = resolve_model_path(args.model)
     decoder = load_decoder(path, dtype=resolve_dtype(args.dtype, args.device), device=args.device, pack=True,
                            quantization=args.quantization)

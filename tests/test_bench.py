@@ -280,3 +280,22 @@ def test_calibration_source_is_shown_relative_to_the_working_directory(tmp_path,
     monkeypatch.chdir(tmp_path)
     assert _shown(tmp_path / "ckpt" / "sts.json") == "ckpt/sts.json"
     assert _shown("/elsewhere/sts.json") == "/elsewhere/sts.json"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["bench", "offline", "--num-prompts", "-3"], "--num-prompts"),  # was read as "all but the last 3"
+    (["bench", "offline", "--max-tokens", "0"], "--max-tokens"),
+    (["bench", "offline", "--repeats", "0"], "--repeats"),
+    (["bench", "serve", "--num-requests", "0"], "--num-requests"),
+    (["bench", "serve", "--duration", "-1"], "--duration"),
+    (["bench", "race", "--max-tokens", "x"], "--max-tokens"),
+    (["bench", "roofline", "--context", "0"], "--context"),
+    (["generate", "hi", "--speculative-dspark-block-size", "0"], "--speculative-dspark-block-size"),
+])
+def test_bench_and_generate_reject_non_positive_sizes(argv, flag, capsys):
+    """Sizes, counts and durations below 1 (or not numbers) stop at the parser with a usage error, exit 2."""
+    from dspark.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err

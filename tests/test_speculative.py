@@ -283,8 +283,9 @@ def test_drafting_rounds_are_priced_in_the_tables_step_time(tiny_llama_dir, draf
 def test_profile_command_rejects_bad_sizes(capsys):
     from dspark.cli import main
 
-    assert main(["profile", "--max-seqs", "0"]) != 0
-    assert "--max-seqs must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "--max-seqs", "0"])
+    assert e.value.code == 2 and "argument --max-seqs: must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_accepted_drafts_feed_the_drafter_context(tiny_llama_dir, drafters, sps_file, plain):

