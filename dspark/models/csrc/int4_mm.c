@@ -36,6 +36,7 @@
 
 #define GROUP 32
 #define RECORD 320
+#define PREFETCH_AHEAD (8 * RECORD) /* bytes (act8_rows) */
 
 /* Sum of each group of 32 bf16 values of each row, in fp32, in one fixed order. */
 static void group_sums(const uint16_t *x, int64_t rows, int64_t k, float *out) {
@@ -137,6 +138,13 @@ static inline __attribute__((always_inline)) void act8_rows(const struct act8_ar
         y[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *rec = rec0 + g * RECORD;
+        /* with 4 or more rows, the record 8 ahead into L1, as q8_vnni_mm.c does (4 ahead): a group's arithmetic for
+         * the rows of a verify window is long enough that the hardware prefetcher falls behind the weight
+         * stream, and the window's compute and its weight reads then take turns instead of overlapping (one
+         * row keeps up without it, and got slower with it); a prefetch past the buffer's end never faults */
+        if (R >= 4)
+            for (int l = 0; l < RECORD; l += 64)
+                _mm_prefetch((const char *)(rec + PREFETCH_AHEAD + l), _MM_HINT_T0);
         __m512i w[8];
         for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512(rec + 64 * c);
