@@ -2,7 +2,7 @@
 # One more stage of the shipped drafter on the three data streams of recipes/s38.sh (sampled GSM8K-train
 # answers, greedy chat, sampled package-prompt answers), continued from where they stopped, beside the
 # replayed mix; the shipped drafter and its DFlash twin train in one process on the same batches.
-# Sessions 39 and 40 ran it (recipes/s39.sh, recipes/s40.sh).
+# recipes/s38.sh (its training step), s39.sh, s40.sh and s41.sh run it.
 #   NAME=sNN P=/path/to/train-prompts bash recipes/continue-stage.sh [more dspark train options, e.g. --twin '...']
 #   (runs/train/NAME[-dflash], runs/drafters/NAME[-dflash]; GEN_SECONDS, CHAT_SECONDS, CODE_SECONDS, STEPS;
 #   SKIP_DATA=1, SKIP_TRAIN=1). Resumable: finished shards are skipped, training resumes from its run dir.

@@ -30,13 +30,5 @@ if [[ "${SKIP_DATA:-0}" != 1 ]]; then
         "${SAMPLED[@]}" --time-limit "${CODE_SECONDS:-500}"
 fi
 [[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
-$D train --data runs/data/gen-sampled-38:2 --data runs/data/gen-sampled-31:2 --data runs/data/gen-chat-36:2 \
-    --data runs/data/gen-code-38:2 --data runs/data/gen-code-34 --data runs/data/sharegpt-chats-2k \
-    --target-layer-ids 1,8,15,22,28 \
-    --mask-token-id 16 --draft-vocab-size 16384 --batch-size 16 --micro-tokens 4096 --anchors 128 \
-    --steps "${STEPS:-250}" --lr 3e-4 --min-lr-ratio 0.1 --ckpt-every 5 --val-every-nth 20 --val-max 16 \
-    --curve-start 20000 --no-curve-snapshots --threads 2 \
-    --init-from dspark/checkpoints/smollm2-135m-dspark --run-dir runs/train/s38 --num-layers 2 --markov-rank 64 \
-    --conf-label greedy --export runs/drafters/s38 \
-    --twin '--init-from dspark/checkpoints/smollm2-135m-dflash --run-dir runs/train/s38-dflash --markov-rank 0 --no-confidence-head --export runs/drafters/s38-dflash' \
+SKIP_DATA=1 NAME=s38 exec bash recipes/continue-stage.sh \
     --twin '--init-from dspark/checkpoints/smollm2-135m-dspark --run-dir runs/train/s38-ce --ce-weight 1.0 --tv-weight 0.2 --export runs/drafters/s38-ce'
