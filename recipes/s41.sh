@@ -8,8 +8,10 @@
 #    package prompts, without the prompts gen-chat-36 and gen-code-34 already answered;
 # 3. the shipped drafter (stage S) and its DFlash twin continue in one process on the same batches, with
 #    gen-chat-41 added to recipes/continue-stage.sh's mix.
+# Later stages continue the same streams from where they stopped under another run name (NAME=s42: runs/train/s42,
+# runs/drafters/s42, from the drafter shipped by then).
 # Resumable: rerun after any stop (finished shards are skipped, training resumes from its run dir).
-#   P=/path/to/train-prompts bash recipes/s41.sh
+#   [NAME=sNN] P=/path/to/train-prompts bash recipes/s41.sh
 #   (GEN_SECONDS, CHAT_SECONDS, CODE_SECONDS, NEW_CHAT_SECONDS, STEPS; SKIP_DATA=1, SKIP_TRAIN=1)
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
@@ -21,4 +23,4 @@ if [[ "${SKIP_DATA:-0}" != 1 ]]; then
         --max-tokens 320 --shard-size 128 --max-num-seqs 64 --time-limit "${NEW_CHAT_SECONDS:-600}"
 fi
 [[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
-SKIP_DATA=1 NAME=s41 exec bash recipes/continue-stage.sh --data runs/data/gen-chat-41:2
+SKIP_DATA=1 NAME=${NAME:-s41} exec bash recipes/continue-stage.sh --data runs/data/gen-chat-41:2
