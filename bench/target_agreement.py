@@ -1,8 +1,9 @@
-"""How often the trainer's dense bf16 target pass picks the same greedy token as the served target
-(the engine's decoder with its default weights: the embedded model's 4-bit layers), teacher-forced
-over held-out training sequences.
+"""How often the trainer's dense target pass picks the same greedy token as the served target (the
+engine's decoder with its default weights: the embedded model's 4-bit layers), teacher-forced over
+held-out training sequences; the dense pass on the served weights (--target-quantization auto, the
+trainer's default) or on plain ones (none).
 
-    .venv/bin/python bench/target_agreement.py --data runs/data/gen-greedy --sequences 24
+    .venv/bin/python bench/target_agreement.py --data runs/data/gen-greedy --sequences 24 [--target-quantization none]
 """
 from __future__ import annotations
 
@@ -17,17 +18,18 @@ def main() -> None:
     p.add_argument("--data", required=True, help="a train-data directory")
     p.add_argument("--model", default=None, help="target model dir (default: the embedded SmolLM2)")
     p.add_argument("--sequences", type=int, default=24, help="every 20th sequence (the held-out split), up to N")
+    p.add_argument("--target-quantization", default="auto", choices=("auto", "none"))
     args = p.parse_args()
     from dspark.models.embedded import resolve_model_path
     from dspark.models.loader import load_decoder, resolve_dtype
     from dspark.train.datagen import load_dense_target, load_sequences
 
-    dense, _, info = load_dense_target(args.model)
+    dense, _, info = load_dense_target(args.model, quantization=args.target_quantization)
     served = load_decoder(resolve_model_path(args.model), dtype=resolve_dtype("auto"), pack=True, quantization="auto")
     seqs = [ids for ids, _, _ in load_sequences(args.data)[::20][:args.sequences]]
     rate = dense.agreement(served, seqs)
     print(json.dumps({"sequences": len(seqs), "positions": sum(len(s) for s in seqs), "argmax_agreement": round(rate, 5),
-                      "dense": info["target_dtype"], "served": served.weight_format}))
+                      "dense": f"{info['target_dtype']}/{info['target_quantization']}", "served": served.weight_format}))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ soft labels on dspark's kernels, models/csrc/vocab_loss.c; the dense target's Si
 the target pass over each micro-batch's sequences packed without padding), "torch" (PyTorch ops alone),
 "padded" (kernels, but the target pass over the micro-batch right-padded to its longest sequence, as
 the trainer ran before packing; its rows are then gathered back, an extra copy of well under 1% of a
-step) and "unfused" (kernels, but the Markov bias as a matmul of its own added to the LM head's logits,
-as the trainer ran before heads.biased_logits). Each step index runs once per route on the same sequences
+step), "unfused" (kernels, but the Markov bias as a matmul of its own added to the LM head's logits,
+as the trainer ran before heads.biased_logits) and "plain-target" (kernels, but the target pass on plain
+weights, `--target-quantization none`: the embedded GGUF's 4-bit layers dequantised to packed bf16, as the
+trainer ran before it kept the served 4-bit layers). Each step index runs once per route on the same sequences
 and anchors (the weights move on between them, which changes no shape). Training tokens are the target
 tokens a step reads, the trainer's own tokens/s. Needs a data directory made by `dspark train-data` (docs/training.md).
 
@@ -31,9 +33,11 @@ import torch
 
 from dspark.drafters.model import TrainOutput
 from dspark.models import native
+from dspark.models.loader import load_decoder
 from dspark.train import features as features_mod
 from dspark.train import trainer as trainer_mod
 from dspark.train.config import add_train_args, config_from_args, twin_configs
+from dspark.train.dense_target import DenseTarget
 from dspark.train.memory import release_freed_memory
 
 # the shipped drafter's recipe (dspark/checkpoints/README.md), so only --data must be given
@@ -43,8 +47,12 @@ DEFAULTS = ("--init-from dspark/checkpoints/smollm2-135m-dspark --num-layers 2 -
 
 
 @contextmanager
-def route(name: str, trainer):
-    """The training step's vocabulary-sized work and the dense target's pointwise ops on `name`."""
+def route(name: str, trainer, plain=None):
+    """The training step's vocabulary-sized work and the dense target's pointwise ops on `name` (plain: the
+    DenseTarget on plain weights that "plain-target" runs)."""
+    served = trainer.target
+    if name == "plain-target":
+        trainer.target = plain
     if name == "padded":
         trainer.target.forward_packed = _padded_pass(trainer.target)  # an instance attribute over the method
     if name == "unfused":
@@ -62,6 +70,7 @@ def route(name: str, trainer):
     try:
         yield
     finally:
+        trainer.target = served
         trainer.target.__dict__.pop("forward_packed", None)
         trainer.model.__dict__.pop("_selected_heads", None)
         trainer.target._kernels = silu
@@ -105,7 +114,7 @@ def _unfused_heads(model):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="steps timed per route (after one warm-up step each)")
-    ap.add_argument("--routes", default="kernels,torch", help="comma-separated: kernels, torch, padded, unfused")
+    ap.add_argument("--routes", default="kernels,torch", help="comma-separated: kernels, torch, padded, unfused, plain-target")
     ap.add_argument("--json", default=None)
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `dspark train` options (--data ...)")
     args = ap.parse_args()
@@ -115,13 +124,20 @@ def main() -> None:
     ns = tp.parse_args(DEFAULTS + ["--run-dir", "/tmp/dspark-train-speed"] + rest)
     cfg = config_from_args(ns)
     routes = args.routes.split(",")
-    unknown = set(routes) - {"kernels", "torch", "padded", "unfused"}
+    unknown = set(routes) - {"kernels", "torch", "padded", "unfused", "plain-target"}
     if unknown:
-        sys.exit(f"unknown --routes {sorted(unknown)}: pick from kernels, torch, padded, unfused")
-    if {"kernels", "padded", "unfused"} & set(routes) and native.library() is None:
+        sys.exit(f"unknown --routes {sorted(unknown)}: pick from kernels, torch, padded, unfused, plain-target")
+    if {"kernels", "padded", "unfused", "plain-target"} & set(routes) and native.library() is None:
         sys.exit(f"dspark's kernels do not run here: {native.why()}")
     tr = trainer_mod.Trainer(cfg)
     twins = [trainer_mod.Trainer(c, share_target=tr) for c in twin_configs(ns)]  # --twin: as fit_together
+    plain = None
+    if "plain-target" in routes:
+        if tr.target.quantization == "none":
+            sys.exit("plain-target: the trainer's target already runs on plain weights (--target-quantization none "
+                     "or a model without 4-bit layers)")
+        plain = DenseTarget(load_decoder(tr.model_path, dtype=tr.target.dtype, device=str(tr.device),
+                                         quantization="none"))
 
     phases: dict[str, float] = collections.defaultdict(float)
     sink = [phases]  # where the phases of the lead's step go (a twin's step is timed whole)
@@ -155,7 +171,7 @@ def main() -> None:
     for step in range(args.steps + 1):  # step 0 warms up each route
         for name in routes:
             phases.clear()
-            with route(name, tr):
+            with route(name, tr, plain):
                 t = time.perf_counter()
                 micro = list(tr._micro(*tr.step_inputs(step))) if twins else None  # one target pass for all
                 _, tokens = tr.train_step(step, micro)

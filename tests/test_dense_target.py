@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dspark.models.loader import load_decoder
-from dspark.train.dense_target import DenseTarget, served_logits
+from dspark.models.int4 import int4_kernel
+from dspark.train.dense_target import DenseTarget, dense_quantization, served_logits
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +84,33 @@ def test_sampled_generation_is_reproducible(tiny_llama_dir, prompts):
     assert [x.tokens for x in a] == [x.tokens for x in b]
 
 
-def test_quantized_decoder_is_refused(tiny_llama_dir):
+def test_unknown_weight_formats_are_refused(tiny_llama_dir):
     dec = load_decoder(tiny_llama_dir, quantization="none")
-    dec.quantization = "int4"
-    with pytest.raises(ValueError, match="plain weights"):
+    dec.quantization = "int3"
+    with pytest.raises(ValueError, match="plain or 4-bit"):
         DenseTarget(dec)
+    with pytest.raises(ValueError, match="'auto' or 'none'"):  # forcing 4 bits would train against another target
+        dense_quantization("int4")
+    assert dense_quantization("auto") == "auto"
+
+
+@pytest.mark.skipif(int4_kernel(torch.bfloat16, "cpu") != "dspark", reason="dspark's 4-bit kernel does not run here")
+def test_four_bit_layers_run_on_their_kernel(tiny_llama_dir):
+    """A decoder with 4-bit layers (forced here; the embedded GGUF's already are) keeps them: the dense pass
+    runs each through its kernel, so its logits track the served decoder's several times closer than the
+    pass on the same weights dequantised (only attention's rounding differs)."""
+    served = load_decoder(tiny_llama_dir, dtype=torch.bfloat16, quantization="int4")
+    target = DenseTarget(served)
+    plain = DenseTarget(load_decoder(tiny_llama_dir, dtype=torch.bfloat16, quantization="none"))
+    assert target.quantization == "int4" and plain.quantization == "none"
+    ids = torch.randint(3, 400, (2, 13), generator=torch.Generator().manual_seed(1))
+    _, final = target.forward(ids)
+    _, final_plain = plain.forward(ids)
+    for row in range(2):
+        want = served_logits(served, ids[row])
+        near = (target.logits(final[row]).float() - want).abs().mean()
+        far = (plain.logits(final_plain[row]).float() - want).abs().mean()
+        assert near * 3 < far, (near, far)
+    packed, _ = target.forward_packed(list(ids), hidden_layers=(0, 2))
+    hidden, _ = target.forward(ids, hidden_layers=(0, 2))
+    torch.testing.assert_close(packed, hidden.flatten(0, 1), atol=2e-2, rtol=2e-2)

@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+TARGET_QUANTIZATION_HELP = (
+    "weights of the target pass: auto keeps layers that already are 4-bit groups (the embedded GGUF) on "
+    "dspark's 4-bit kernel on a CPU, as the engine serves them (faster, and the served numerics); none "
+    "dequantises them for a plain bf16 / fp32 pass")
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run depends on (stored in the checkpoint and the exported metadata)."""
@@ -53,6 +59,7 @@ class TrainConfig:
     stop_after: int | None = None  # leave after this many optimizer steps in total (simulated kill)
     save_dtype: str = "bfloat16"
     target_dtype: str = "auto"  # the dense target pass computing features: auto = bf16 where supported
+    target_quantization: str = "auto"  # its weights: auto = the served ones (4-bit layers stay 4-bit); none = plain
     compute_dtype: str = "auto"  # drafter weights and activations (auto: as target_dtype); AdamW keeps fp32 masters
     threads: int | None = None
     device: str = "auto"  # where the target pass and the drafter run: auto = cuda:$LOCAL_RANK when CUDA is there
@@ -97,6 +104,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="learning-curve points log metrics only (no drafter snapshot under RUN_DIR/curve)")
     p.add_argument("--target-dtype", default=d.target_dtype, choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the target computing features (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
+    p.add_argument("--target-quantization", default=d.target_quantization, choices=("auto", "none"),
+                   help=TARGET_QUANTIZATION_HELP)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default=d.device,
                    help="where the target pass and the drafter run: auto (cuda:$LOCAL_RANK where CUDA is "

@@ -167,7 +167,8 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
                     shard_size: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
                     max_tokens: int = 256, seed: int = 0, time_limit: float | None = None,
                     max_num_seqs: int = 64, kv_cache_mb: int = 1024, rank: int = 0, world_size: int = 1,
-                    device: str = "cpu", dtype: str = "auto", generator: str = "dense",
+                    device: str = "cpu", dtype: str = "auto", target_quantization: str = "auto",
+                    generator: str = "dense",
                     speculative_algorithm: str = "none", start_shard: int = 0, prompt_suffix: str = "",
                     skip_answered: list[str] | None = None, log=print) -> dict[str, Any]:
     """Generate responses shard by shard into out_dir, skipping finished shards; returns the merged manifest.
@@ -181,8 +182,9 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
     `start_shard` skips the shards before it (answered elsewhere, e.g. by an earlier run's directory).
     `prompt_suffix` is recorded in the recipe: the line the prompt files' prompts already end with;
     `skip_answered` too: the directories whose answered prompts were taken out of `prompts` (drop_answered).
-    `generator`: "dense" (the dense target pass of the trainer, any device) or "engine" (the serving
-    engine on the CPU, optionally with `speculative_algorithm`; greedy answers are the same tokens).
+    `generator`: "dense" (the dense target pass of the trainer, any device; `target_quantization` as
+    load_dense_target's) or "engine" (the serving engine on the CPU, optionally with `speculative_algorithm`;
+    greedy answers are the same tokens).
     """
     for name, value, least in (("shard_size", shard_size, 1), ("max_tokens", max_tokens, 1),
                                ("max_num_seqs", max_num_seqs, 1), ("start_shard", start_shard, 0)):
@@ -217,7 +219,8 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
                               speculative_algorithm=speculative_algorithm, dtype=dtype)
         tokenizer, info = target.llm.tokenizer, {"model_path": str(resolve_model_path(model)), **target.info}
     elif generator == "dense":
-        target, tokenizer, info = load_dense_target(model, device=device, dtype=dtype)
+        target, tokenizer, info = load_dense_target(model, device=device, dtype=dtype,
+                                                    quantization=target_quantization)
     else:
         raise ValueError(f"generator must be 'dense' or 'engine', got {generator!r}")
     mine["recipe"].update(info)
@@ -236,7 +239,8 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
         plens = [len(p) for p in ids]
         resp = sum(len(s) - p for s, p in zip(seqs, plens))
         dt = time.perf_counter() - t0
-        stats = {"sequences": len(seqs), "response_tokens": resp, "seconds": round(dt, 1)}
+        stats = {"sequences": len(seqs), "response_tokens": resp, "seconds": round(dt, 1),
+                 "target_quantization": info.get("target_quantization")}  # a stream may change it between runs
         shard = {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
                  "offsets": torch.tensor([0] + list(_cumsum(len(s) for s in seqs)), dtype=torch.int64),
                  "prompt_lens": torch.tensor(plens, dtype=torch.int64),
@@ -254,22 +258,24 @@ def generate_shards(prompts: list[Prompt], out_dir: str | Path, *, model: str | 
     return _refresh(out)
 
 
-def load_dense_target(model: str | None, *, device: str = "cpu", dtype: str = "auto"):
-    """(DenseTarget, tokenizer, recipe info) for the target `model` (None = the embedded default)."""
+def load_dense_target(model: str | None, *, device: str = "cpu", dtype: str = "auto", quantization: str = "auto"):
+    """(DenseTarget, tokenizer, recipe info) for the target `model` (None = the embedded default).
+    quantization: "auto" keeps layers that already are 4-bit groups (the embedded GGUF) in that form on a
+    CPU whose kernels take them, as the engine serves them; "none" dequantises them for a plain pass."""
     from transformers import AutoTokenizer
 
     from dspark.models.embedded import resolve_model_path
     from dspark.models.loader import load_decoder, resolve_dtype
-    from dspark.train.dense_target import DenseTarget
+    from dspark.train.dense_target import DenseTarget, dense_quantization
 
     from dspark.train.device import train_device
 
     device = str(train_device(device))
     path = resolve_model_path(model)
     torch_dtype = resolve_dtype(dtype, device)
-    decoder = load_decoder(path, dtype=torch_dtype, device=device, quantization="none")
+    decoder = load_decoder(path, dtype=torch_dtype, device=device, quantization=dense_quantization(quantization))
     info = {"model_path": str(path), "target_dtype": str(torch_dtype).replace("torch.", ""),
-            "target_quantization": "none (dense pass, weights dequantised)"}
+            "target_quantization": decoder.quantization}
     return DenseTarget(decoder), AutoTokenizer.from_pretrained(str(path)), info
 
 

@@ -1,13 +1,14 @@
-"""The target as plain dense bf16 passes over padded batches, for training: teacher-forced features and
-batched generation with a static KV cache.
+"""The target as plain dense passes over padded batches, for training: teacher-forced features and batched
+generation with a static KV cache.
 
-The engine's decoder is built for serving: a paged cache, 4-bit weights that are fastest at a few rows,
-and fp32 attention that keeps every row bit-identical whatever the window. Training wants the opposite
-trade: thousands of rows per call, no cache between calls. DenseTarget takes the served model's weights
-(the GGUF's 4-bit groups dequantised to bf16: the same values up to bf16 rounding of the group scales),
-packs every linear once for oneDNN, and runs causal SDPA: forward_packed() over sequences packed end to
-end without padding (the training pass), forward() over right-padded [B, S] batches, where padding at the
-end never changes an earlier position (generation's prefill). `agreement()` measures how often its argmax equals the
+The engine's decoder is built for serving: a paged cache, kernels that are fastest at a few rows, and fp32
+attention that keeps every row bit-identical whatever the window. Training wants the opposite trade:
+thousands of rows per call, no cache between calls. DenseTarget takes a loaded decoder's linears as they
+are: the served 4-bit layers of the embedded GGUF run on dspark's 4-bit kernel (the served weights and
+activation rounding, and on one core ~1.2x the packed bf16 pass at a few thousand rows), plain weights are
+packed once for oneDNN. Attention is causal SDPA: forward_packed() over sequences packed end to end without
+padding (the training pass), forward() over right-padded [B, S] batches, where padding at the end never
+changes an earlier position (generation's prefill). `agreement()` measures how often its argmax equals the
 served path's, the figure a drafter trained on it is judged by.
 """
 from __future__ import annotations
@@ -32,13 +33,18 @@ def _rows(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Linear:
-    """A linear map over the last axis: oneDNN-packed bf16 on a CPU that has it, F.linear elsewhere."""
+    """A decoder's linear map over the last axis: a 4-bit one (models/int4.py) through its own kernel; plain
+    weights oneDNN-packed in bf16 on a CPU that has it, else F.linear."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.packed = PackedLinear(weight, bias) if packing_supported(weight.dtype, weight.device) else None
-        self.weight, self.bias = weight, bias
+    def __init__(self, module: torch.nn.Module):
+        self.module = None if isinstance(module, torch.nn.Linear) else module
+        self.weight, self.bias = (module.weight, module.bias) if self.module is None else (None, None)
+        plain = self.module is None and packing_supported(self.weight.dtype, self.weight.device)
+        self.packed = PackedLinear(self.weight, self.bias) if plain else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.module is not None:
+            return self.module(x)
         return self.packed.forward(x) if self.packed is not None else F.linear(x, self.weight, self.bias)
 
 
@@ -62,26 +68,37 @@ class Generation:
     finish_reason: str  # "stop" or "length"
 
 
+def dense_quantization(quantization: str) -> str:
+    """The loader's quantization for a dense target: "auto" (the served weights: layers that already are
+    4-bit groups stay so where a kernel takes them) or "none" (plain weights; the embedded GGUF's 4-bit
+    groups dequantised). Forcing 4-bit weights onto a model that has none is refused: a drafter would learn
+    a target other than the one served."""
+    if quantization not in ("auto", "none"):
+        raise ValueError(f"target quantization must be 'auto' or 'none', got {quantization!r}")
+    return quantization
+
+
 class DenseTarget:
     """A Decoder's weights run densely: forward() for teacher-forced features, generate() for data."""
 
     def __init__(self, decoder):
-        """decoder: a dspark Decoder loaded unpacked with quantization "none" (plain weights)."""
-        if decoder.quantization != "none":
-            raise ValueError("DenseTarget needs plain weights: load the decoder with quantization='none'")
+        """decoder: a dspark Decoder loaded unpacked, with plain weights (quantization "none") or the served
+        4-bit layers ("int4"); the LM head runs on its full-precision weights either way (the drafter reads
+        them, and the soft labels' kernel takes bf16 logits)."""
+        if decoder.quantization not in ("none", "int4"):
+            raise ValueError(f"DenseTarget takes plain or 4-bit weights, got quantization {decoder.quantization!r}")
         c = self.config = decoder.config
         self.dtype, self.device = decoder.dtype, decoder.device
         self.embed = decoder.embed_tokens.weight
         self.norm = decoder.norm
-        self.lm_head = _Linear(decoder.lm_head.weight, None)
+        self.lm_head = _Linear(decoder.lm_head)
+        self.quantization = decoder.quantization
         self.rotary = decoder.rotary
         self.layers = []
         for layer in decoder.layers:
             at, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(_Linear(at.qkv_proj.weight, at.qkv_proj.bias),
-                                      _Linear(at.o_proj.weight, at.o_proj.bias),
-                                      _Linear(mlp.gate_up.weight, mlp.gate_up.bias),
-                                      _Linear(mlp.down.weight, mlp.down.bias),
+            self.layers.append(_Layer(_Linear(at.qkv_proj), _Linear(at.o_proj), _Linear(mlp.gate_up),
+                                      _Linear(mlp.down),
                                       layer.input_layernorm, layer.post_attention_layernorm, at.q_norm, at.k_norm))
         self.h, self.hkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
         self._kernels = native.library() is not None  # SiLU-gating on dspark's kernel (layers.silu_gate)

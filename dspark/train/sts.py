@@ -183,7 +183,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from dspark.train.features import target_batch
     from dspark.train.trainer import data_spec, load_dir, pad_anchors, sample_anchors
 
-    target, _, _ = load_dense_target(args.model, dtype=args.dtype)
+    target, _, _ = load_dense_target(args.model, dtype=args.dtype, quantization=args.target_quantization)
     drafter = DSparkDrafter.from_pretrained(args.drafter, target.embed, target.lm_head.weight).eval()
     layers = list(drafter.config.target_layer_ids)
     dirs = [args.data] if isinstance(args.data, str) else list(args.data)

@@ -132,12 +132,13 @@ class Trainer:
     def _load_target(self) -> None:
         from dspark.models.embedded import resolve_model_path
         from dspark.models.loader import load_decoder
-        from dspark.train.dense_target import DenseTarget
+        from dspark.train.dense_target import DenseTarget, dense_quantization
 
         self.model_path = resolve_model_path(self.cfg.model)
         self.target_cfg = json.loads((self.model_path / "config.json").read_text())
         dtype = resolve_dtype(self.cfg.target_dtype, str(self.device))
-        decoder = load_decoder(self.model_path, dtype=dtype, device=str(self.device), quantization="none")
+        decoder = load_decoder(self.model_path, dtype=dtype, device=str(self.device),
+                               quantization=dense_quantization(self.cfg.target_quantization))
         self.target = DenseTarget(decoder)
         self.embed, self.lm_head = decoder.embed_tokens.weight, decoder.lm_head.weight
 
