@@ -114,7 +114,8 @@ def _unfused_heads(model):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="steps timed per route (after one warm-up step each)")
-    ap.add_argument("--routes", default="kernels,torch", help="comma-separated: kernels, torch, padded, unfused, plain-target")
+    ap.add_argument("--routes", default="kernels,torch",
+                    help="comma-separated: kernels, torch, padded, unfused, plain-target")
     ap.add_argument("--json", default=None)
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `dspark train` options (--data ...)")
     args = ap.parse_args()

@@ -97,8 +97,7 @@ class DenseTarget:
         self.layers = []
         for layer in decoder.layers:
             at, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(_Linear(at.qkv_proj), _Linear(at.o_proj), _Linear(mlp.gate_up),
-                                      _Linear(mlp.down),
+            self.layers.append(_Layer(_Linear(at.qkv_proj), _Linear(at.o_proj), _Linear(mlp.gate_up), _Linear(mlp.down),
                                       layer.input_layernorm, layer.post_attention_layernorm, at.q_norm, at.k_norm))
         self.h, self.hkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
         self._kernels = native.library() is not None  # SiLU-gating on dspark's kernel (layers.silu_gate)
