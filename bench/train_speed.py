@@ -38,7 +38,7 @@ from dspark.train import features as features_mod
 from dspark.train import trainer as trainer_mod
 from dspark.train.config import add_train_args, config_from_args, twin_configs
 from dspark.train.dense_target import DenseTarget
-from dspark.train.memory import release_freed_memory
+from dspark.train.memory import release_freed_memory, resident_bytes
 
 # the shipped drafter's recipe (dspark/checkpoints/README.md), so only --data must be given
 DEFAULTS = ("--init-from dspark/checkpoints/smollm2-135m-dspark --num-layers 2 --markov-rank 64 --target-layer-ids "
@@ -90,15 +90,6 @@ def _padded_pass(target):
         keep = torch.cat([torch.arange(len(s)) + i * ids.shape[1] for i, s in enumerate(seqs)]).to(ids.device)
         return None if hidden is None else hidden.flatten(0, 1)[keep], final.flatten(0, 1)[keep]
     return forward
-
-
-def _rss_gb() -> float:
-    """This process's resident memory now, GiB (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30, 2)
-    except (OSError, ValueError):
-        return 0.0
 
 
 def _unfused_heads(model):
@@ -185,7 +176,7 @@ def main() -> None:
                 release_freed_memory()  # as Trainer.fit does after each step
                 dt = time.perf_counter() - t
             rec = {"step": step, "tokens": tokens, "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1),
-                   **{k: round(v, 3) for k, v in phases.items()}, "rss_gb": _rss_gb()}
+                   **{k: round(v, 3) for k, v in phases.items()}, "rss_gb": round(resident_bytes() / 2**30, 2)}
             rec["drafter forward + losses"] = round(rec.get("drafter forward + losses", 0.0)
                                                     - rec.get("soft labels", 0.0), 3)  # soft labels run inside
             print(f"{name:8s} " + json.dumps(rec), flush=True)

@@ -528,7 +528,8 @@ def test_per_set_curve_keeps_only_records_that_measured_the_set(tmp_path) -> Non
 
 def test_keep_freed_memory_is_switchable(monkeypatch):
     """Raised once per process on glibc; DSPARK_KEEP_FREED_MEMORY=0 leaves the allocator as it is, and
-    release_freed_memory() is then a no-op; after keep_freed_memory() it hands free pages back."""
+    release_freed_memory() is then a no-op; after keep_freed_memory() it hands free pages back, but only
+    once resident memory is above its budget."""
     import platform
 
     from dspark.train import memory
@@ -536,21 +537,32 @@ def test_keep_freed_memory_is_switchable(monkeypatch):
     monkeypatch.setattr(memory, "_libc", None)
     monkeypatch.setenv(memory.ENV, "0")
     assert memory.keep_freed_memory() is False and memory._libc is None
-    memory.release_freed_memory()  # nothing to release
+    assert memory.release_freed_memory(above=0) is False  # nothing to release
     monkeypatch.delenv(memory.ENV)
     if platform.libc_ver()[0] != "glibc":
         return
     assert memory.keep_freed_memory() is True and memory.keep_freed_memory() is True
     block = torch.ones(64, 2**20)  # 256 MB, in the heap now
     del block
+    before = memory.resident_bytes()
+    assert memory.release_freed_memory(above=before + 2**30) is False  # under budget: the pages stay
+    assert memory.resident_bytes() > before - 128 * 2**20
+    assert memory.release_freed_memory(above=0) is True
+    assert memory.resident_bytes() < before - 128 * 2**20
 
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    before = rss()
-    memory.release_freed_memory()
-    assert rss() < before - 128 * 2**20
+def test_trim_budget(monkeypatch):
+    from dspark.train import memory
+
+    monkeypatch.setenv(memory.TRIM_ENV, "1.5")
+    assert memory.trim_budget() == 3 * 2**29
+    monkeypatch.setenv(memory.TRIM_ENV, "0")
+    assert memory.trim_budget() == 0
+    monkeypatch.setenv(memory.TRIM_ENV, "lots")
+    with pytest.raises(ValueError, match="number of GiB"):
+        memory.trim_budget()
+    monkeypatch.delenv(memory.TRIM_ENV)
+    assert 0 < memory.trim_budget() < os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_twins_train_the_weights_each_would_alone(tiny_setup, tmp_path):
