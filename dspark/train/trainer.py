@@ -554,6 +554,8 @@ class Trainer:
                                                "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "decay",
                                                "seed", "val_every_nth", "epochs", "compute_dtype",
                                                "ce_weight", "tv_weight", "conf_weight", "conf_label")},
+                "target_pass": {"dtype": str(self.target.dtype).removeprefix("torch."),
+                                "weights": self.target.quantization},  # "int4": the served 4-bit layers
                 "steps": self.total_steps, "world_size": self.world,
                 "losses": self.loss_recipe(),
                 "train_sequences": len(self.train_idx), "train_loss_tokens": self.train_tokens,
