@@ -12,13 +12,15 @@ import json
 
 import torch
 
+from dspark.train.config import add_target_quantization_arg
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="a train-data directory")
     p.add_argument("--model", default=None, help="target model dir (default: the embedded SmolLM2)")
     p.add_argument("--sequences", type=int, default=24, help="every 20th sequence (the held-out split), up to N")
-    p.add_argument("--target-quantization", default="auto", choices=("auto", "none"))
+    add_target_quantization_arg(p)
     args = p.parse_args()
     from dspark.models.embedded import resolve_model_path
     from dspark.models.loader import load_decoder, resolve_dtype

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from dspark.cli_args import count, positive
-from dspark.train.config import TARGET_QUANTIZATION_HELP
+from dspark.train.config import add_target_quantization_arg
 
 
 def register(sub: Any) -> None:
@@ -42,8 +42,7 @@ def register(sub: Any) -> None:
     d.add_argument("--model", default=None, help="target model dir (default: embedded SmolLM2)")
     d.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="target dtype (auto: bfloat16 on AMX / AVX-512-bf16 CPUs and CUDA, else float32)")
-    d.add_argument("--target-quantization", default="auto", choices=("auto", "none"),
-                   help="--generator dense: " + TARGET_QUANTIZATION_HELP)
+    add_target_quantization_arg(d, prefix="--generator dense: ")
     d.add_argument("--shard-size", type=positive, default=64)
     d.add_argument("--max-tokens", type=positive, default=256)
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (DeepSpec: 0.7, top-p 0.8, top-k 20)")
@@ -95,7 +94,7 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                    help="the trainer's --max-shards (the held-out split is taken from the same sequences)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the dense target pass (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
-    p.add_argument("--target-quantization", default="auto", choices=("auto", "none"), help=TARGET_QUANTIZATION_HELP)
+    add_target_quantization_arg(p)
     p.add_argument("--out", default=None, help="sts.json path (default: DRAFTER/sts.json)")
     p.add_argument("--png", default=None, help="reliability diagram (default: next to --out)")
 

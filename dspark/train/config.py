@@ -7,10 +7,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-TARGET_QUANTIZATION_HELP = (
-    "weights of the target pass: auto keeps layers that already are 4-bit groups (the embedded GGUF) on "
-    "dspark's 4-bit kernel on a CPU, as the engine serves them (faster, and the served numerics); none "
-    "dequantises them for a plain bf16 / fp32 pass")
+TARGET_QUANTIZATIONS = ("auto", "none")  # the dense target pass's weights (train/dense_target.dense_quantization)
+
+
+def add_target_quantization_arg(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """--target-quantization, as train, train-data and calibrate take it (prefix: before its help)."""
+    p.add_argument("--target-quantization", default="auto", choices=TARGET_QUANTIZATIONS,
+                   help=prefix + "weights of the target pass: auto keeps layers that already are 4-bit groups (the "
+                   "embedded GGUF) on dspark's 4-bit kernel on a CPU, as the engine serves them (faster, and the "
+                   "served numerics); none dequantises them for a plain bf16 / fp32 pass")
 
 
 @dataclass
@@ -104,8 +109,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="learning-curve points log metrics only (no drafter snapshot under RUN_DIR/curve)")
     p.add_argument("--target-dtype", default=d.target_dtype, choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype of the target computing features (auto: bfloat16 on AMX / AVX-512-bf16 CPUs)")
-    p.add_argument("--target-quantization", default=d.target_quantization, choices=("auto", "none"),
-                   help=TARGET_QUANTIZATION_HELP)
+    add_target_quantization_arg(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default=d.device,
                    help="where the target pass and the drafter run: auto (cuda:$LOCAL_RANK where CUDA is "

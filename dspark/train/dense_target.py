@@ -24,6 +24,7 @@ from dspark.cache import blocks_for
 from dspark.models import native
 from dspark.models.layers import apply_rotary, silu_gate
 from dspark.models.packing import PackedLinear, packing_supported
+from dspark.train.config import TARGET_QUANTIZATIONS
 
 
 def _rows(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +74,7 @@ def dense_quantization(quantization: str) -> str:
     4-bit groups stay so where a kernel takes them) or "none" (plain weights; the embedded GGUF's 4-bit
     groups dequantised). Forcing 4-bit weights onto a model that has none is refused: a drafter would learn
     a target other than the one served."""
-    if quantization not in ("auto", "none"):
+    if quantization not in TARGET_QUANTIZATIONS:
         raise ValueError(f"target quantization must be 'auto' or 'none', got {quantization!r}")
     return quantization
 
