@@ -38,7 +38,7 @@ def main() -> None:
     if lib is None:
         raise SystemExit(f"dspark's kernels do not run here: {native.why()}")
     packed = {}  # route -> layer matmul -> weights in that route's layout
-    for route in ("bf16_activations", "amx", "int8_activations"):
+    for route in native.ROUTES:
         with native.route(route) as runs:
             gen = torch.Generator().manual_seed(0)
             if runs:

@@ -9,7 +9,11 @@
   By default each row's groups of 32 inputs are rounded to 8 bits first (as llama.cpp does) and a group's
   dot product is an exact integer from VNNI: an 8-row window ~1.6x one row instead of ~3-4x, one row
   cheaper too, the target's acceptance of the drafts about the same; DSPARK_INT8_ACTIVATIONS=0 (or
-  DSPARK_AMX=1) keeps the rows in bf16.
+  DSPARK_AMX=1) keeps the rows in bf16. AMX-INT8 tiles (TDPBSUD) would give the same integers but do not
+  pay here: a tile multiply can hold only one group of 32 inputs (each group has its own scales), and its
+  fixed cost per group and 16 columns (codes stored and loaded as a tile, sums stored and reloaded to be
+  scaled) is about what VPDPBUSD spends on 8 rows; tried on Sapphire Rapids, one thread, a [3072, 576]
+  matmul took 1.45x as long at 8 rows and 1.6x at 16.
 - `q8_mm.c`: the same for 8-bit groups (GGUF Q8_0), fp32 out: the embedded model's LM head in its own
   8-bit form, half the bytes of bf16.
 - `q8_vnni_mm.c`: 8-bit weights times rows rounded to 8-bit groups too, on VNNI (twice the multiply-adds
