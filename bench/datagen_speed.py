@@ -6,7 +6,8 @@ tokens for the two engine rows (speculation is lossless); the dense pass differs
 
     .venv/bin/python bench/datagen_speed.py [--prompts 64] [--max-tokens 320] [--rounds 2] [--sampled] [--json OUT]
 
-Generators: dense, dense:plain (the dense pass on plain weights, `--target-quantization none`: the 4-bit
+Generators: dense (the trainer's default pass, `--target-quantization auto`), dense:served (the dense pass on the
+served 4-bit layers, `--target-quantization served`), dense:plain (the dense pass on plain weights, `--target-quantization none`: the 4-bit
 layers dequantised to packed bf16), dense:sdpa (the dense pass with its decode attention on PyTorch's SDPA
 instead of dspark's kernel), dense:full-vocab (with --sampled: the dense pass sampling from warp_probs over the whole
 vocabulary, as it did before it sampled among the top-k candidates), engine, engine:QUANT (engine with
@@ -63,8 +64,9 @@ def main() -> None:
     names = args.generators.split(",")
     targets = {}
     for name in names:
-        if name in ("dense", "dense:plain", "dense:sdpa", "dense:full-vocab"):
-            targets[name] = load_dense_target(None, quantization="none" if name == "dense:plain" else "auto")[0]
+        if name in ("dense", "dense:plain", "dense:served", "dense:sdpa", "dense:full-vocab"):
+            quantization = {"dense:plain": "none", "dense:served": "served"}.get(name, "auto")
+            targets[name] = load_dense_target(None, quantization=quantization)[0]
             if name == "dense:sdpa":
                 targets[name]._decode_kernel = lambda kv: None
         else:

@@ -1,7 +1,7 @@
 """How often the trainer's dense target pass picks the same greedy token as the served target (the
 engine's decoder with its default weights: the embedded model's 4-bit layers), teacher-forced over
-held-out training sequences; the dense pass on the served weights (--target-quantization auto, the
-trainer's default) or on plain ones (none).
+held-out training sequences; the dense pass on the served weights (--target-quantization served), on plain
+ones (none) or on the trainer's default (auto: plain on CPUs with AMX tiles, served elsewhere).
 
     .venv/bin/python bench/target_agreement.py --data runs/data/gen-greedy --sequences 24 [--target-quantization none]
 """

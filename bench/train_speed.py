@@ -7,9 +7,10 @@ the target pass over each micro-batch's sequences packed without padding), "torc
 "padded" (kernels, but the target pass over the micro-batch right-padded to its longest sequence, as
 the trainer ran before packing; its rows are then gathered back, an extra copy of well under 1% of a
 step), "unfused" (kernels, but the Markov bias as a matmul of its own added to the LM head's logits,
-as the trainer ran before heads.biased_logits) and "plain-target" (kernels, but the target pass on plain
-weights, `--target-quantization none`: the embedded GGUF's 4-bit layers dequantised to packed bf16, as the
-trainer ran before it kept the served 4-bit layers). Each step index runs once per route on the same sequences
+as the trainer ran before heads.biased_logits), "plain-target" (kernels, but the target pass on plain
+weights, `--target-quantization none`: the embedded GGUF's 4-bit layers dequantised to packed bf16) and
+"served-target" (kernels, but the target pass on the served 4-bit layers, `--target-quantization served`);
+the default `auto` is one of the last two, by CPU. Each step index runs once per route on the same sequences
 and anchors (the weights move on between them, which changes no shape). Training tokens are the target
 tokens a step reads, the trainer's own tokens/s. Needs a data directory made by `dspark train-data` (docs/training.md).
 
@@ -37,8 +38,11 @@ from dspark.models.loader import load_decoder
 from dspark.train import features as features_mod
 from dspark.train import trainer as trainer_mod
 from dspark.train.config import add_train_args, config_from_args, twin_configs
-from dspark.train.dense_target import DenseTarget
+from dspark.train.dense_target import DenseTarget, dense_quantization
 from dspark.train.memory import release_freed_memory, resident_bytes
+
+TARGET_ROUTES = {"plain-target": "none", "served-target": "served"}  # route -> --target-quantization of its pass
+ROUTES = ("kernels", "torch", "padded", "unfused", *TARGET_ROUTES)
 
 # the shipped drafter's recipe (dspark/checkpoints/README.md), so only --data must be given
 DEFAULTS = ("--init-from dspark/checkpoints/smollm2-135m-dspark --num-layers 2 --markov-rank 64 --target-layer-ids "
@@ -47,12 +51,12 @@ DEFAULTS = ("--init-from dspark/checkpoints/smollm2-135m-dspark --num-layers 2 -
 
 
 @contextmanager
-def route(name: str, trainer, plain=None):
-    """The training step's vocabulary-sized work and the dense target's pointwise ops on `name` (plain: the
-    DenseTarget on plain weights that "plain-target" runs)."""
+def route(name: str, trainer, targets=None):
+    """The training step's vocabulary-sized work and the dense target's pointwise ops on `name` (targets: the
+    DenseTargets that "plain-target" and "served-target" run, by route name)."""
     served = trainer.target
-    if name == "plain-target":
-        trainer.target = plain
+    if name in (targets or {}):
+        trainer.target = targets[name]
     if name == "padded":
         trainer.target.forward_packed = _padded_pass(trainer.target)  # an instance attribute over the method
     if name == "unfused":
@@ -106,7 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="steps timed per route (after one warm-up step each)")
     ap.add_argument("--routes", default="kernels,torch",
-                    help="comma-separated: kernels, torch, padded, unfused, plain-target")
+                    help="comma-separated: " + ", ".join(ROUTES))
     ap.add_argument("--json", default=None)
     ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `dspark train` options (--data ...)")
     args = ap.parse_args()
@@ -116,20 +120,20 @@ def main() -> None:
     ns = tp.parse_args(DEFAULTS + ["--run-dir", "/tmp/dspark-train-speed"] + rest)
     cfg = config_from_args(ns)
     routes = args.routes.split(",")
-    unknown = set(routes) - {"kernels", "torch", "padded", "unfused", "plain-target"}
+    unknown = set(routes) - set(ROUTES)
     if unknown:
-        sys.exit(f"unknown --routes {sorted(unknown)}: pick from kernels, torch, padded, unfused, plain-target")
-    if {"kernels", "padded", "unfused", "plain-target"} & set(routes) and native.library() is None:
+        sys.exit(f"unknown --routes {sorted(unknown)}: pick from {', '.join(ROUTES)}")
+    if set(routes) - {"torch"} and native.library() is None:
         sys.exit(f"dspark's kernels do not run here: {native.why()}")
     tr = trainer_mod.Trainer(cfg)
     twins = [trainer_mod.Trainer(c, share_target=tr) for c in twin_configs(ns)]  # --twin: as fit_together
-    plain = None
-    if "plain-target" in routes:
-        if tr.target.quantization == "none":
-            sys.exit("plain-target: the trainer's target already runs on plain weights (--target-quantization none "
-                     "or a model without 4-bit layers)")
-        plain = DenseTarget(load_decoder(tr.model_path, dtype=tr.target.dtype, device=str(tr.device),
-                                         quantization="none"))
+    targets = {}
+    for name in set(routes) & set(TARGET_ROUTES):
+        targets[name] = DenseTarget(load_decoder(tr.model_path, dtype=tr.target.dtype, device=str(tr.device),
+                                                 quantization=dense_quantization(TARGET_ROUTES[name], str(tr.device))))
+        if targets[name].quantization == tr.target.quantization:
+            sys.exit(f"{name}: the trainer's own target pass already runs on those weights ({tr.target.quantization}; "
+                     "a model without 4-bit layers has only plain ones)")
 
     phases: dict[str, float] = collections.defaultdict(float)
     sink = [phases]  # where the phases of the lead's step go (a twin's step is timed whole)
@@ -163,7 +167,7 @@ def main() -> None:
     for step in range(args.steps + 1):  # step 0 warms up each route
         for name in routes:
             phases.clear()
-            with route(name, tr, plain):
+            with route(name, tr, targets):
                 t = time.perf_counter()
                 micro = list(tr._micro(*tr.step_inputs(step))) if twins else None  # one target pass for all
                 _, tokens = tr.train_step(step, micro)

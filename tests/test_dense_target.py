@@ -6,6 +6,7 @@ import torch
 
 from dspark.models.loader import load_decoder
 from dspark.models.int4 import int4_kernel
+from dspark.train import dense_target
 from dspark.train.dense_target import DenseTarget, dense_quantization, served_logits
 
 
@@ -89,9 +90,16 @@ def test_unknown_weight_formats_are_refused(tiny_llama_dir):
     dec.quantization = "int3"
     with pytest.raises(ValueError, match="plain or 4-bit"):
         DenseTarget(dec)
-    with pytest.raises(ValueError, match="'auto' or 'none'"):  # forcing 4 bits would train against another target
+    with pytest.raises(ValueError, match="one of auto, served, none"):  # forcing 4 bits: another target
         dense_quantization("int4")
-    assert dense_quantization("auto") == "auto"
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_auto_target_pass_is_plain_on_amx_cpus_only(amx, monkeypatch):
+    monkeypatch.setattr(dense_target, "amx_tiles", lambda: amx)
+    assert dense_quantization("auto") == ("none" if amx else "auto")
+    assert dense_quantization("auto", "cuda") == "auto"  # the host CPU's tiles say nothing about a GPU's pass
+    assert dense_quantization("served") == "auto" and dense_quantization("none") == "none"
 
 
 @pytest.mark.skipif(int4_kernel(torch.bfloat16, "cpu") != "dspark", reason="dspark's 4-bit kernel does not run here")

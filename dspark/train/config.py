@@ -7,15 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-TARGET_QUANTIZATIONS = ("auto", "none")  # the dense target pass's weights (train/dense_target.dense_quantization)
+TARGET_QUANTIZATIONS = ("auto", "served", "none")  # the dense target pass's weights (train/dense_target.dense_quantization)
 
 
 def add_target_quantization_arg(p: argparse.ArgumentParser, prefix: str = "") -> None:
     """--target-quantization, as train, train-data and calibrate take it (prefix: before its help)."""
     p.add_argument("--target-quantization", default="auto", choices=TARGET_QUANTIZATIONS,
-                   help=prefix + "weights of the target pass: auto keeps layers that already are 4-bit groups (the "
-                   "embedded GGUF) on dspark's 4-bit kernel on a CPU, as the engine serves them (faster, and the "
-                   "served numerics); none dequantises them for a plain bf16 / fp32 pass")
+                   help=prefix + "weights of the target pass: served keeps layers that already are 4-bit groups (the "
+                   "embedded GGUF) on dspark's 4-bit kernel on a CPU, as the engine serves them; none dequantises them "
+                   "for a plain bf16 / fp32 pass; auto is the faster of the two: none on CPUs with AMX tiles, served "
+                   "elsewhere")
 
 
 @dataclass
@@ -64,7 +65,7 @@ class TrainConfig:
     stop_after: int | None = None  # leave after this many optimizer steps in total (simulated kill)
     save_dtype: str = "bfloat16"
     target_dtype: str = "auto"  # the dense target pass computing features: auto = bf16 where supported
-    target_quantization: str = "auto"  # its weights: auto = the served ones (4-bit layers stay 4-bit); none = plain
+    target_quantization: str = "auto"  # its weights: served (4-bit layers stay 4-bit), none (plain), auto (the faster)
     compute_dtype: str = "auto"  # drafter weights and activations (auto: as target_dtype); AdamW keeps fp32 masters
     threads: int | None = None
     device: str = "auto"  # where the target pass and the drafter run: auto = cuda:$LOCAL_RANK when CUDA is there

@@ -273,7 +273,8 @@ def load_dense_target(model: str | None, *, device: str = "cpu", dtype: str = "a
     device = str(train_device(device))
     path = resolve_model_path(model)
     torch_dtype = resolve_dtype(dtype, device)
-    decoder = load_decoder(path, dtype=torch_dtype, device=device, quantization=dense_quantization(quantization))
+    decoder = load_decoder(path, dtype=torch_dtype, device=device,
+                           quantization=dense_quantization(quantization, device))
     info = {"model_path": str(path), "target_dtype": str(torch_dtype).replace("torch.", ""),
             "target_quantization": decoder.quantization}
     return DenseTarget(decoder), AutoTokenizer.from_pretrained(str(path)), info

@@ -69,14 +69,26 @@ class Generation:
     finish_reason: str  # "stop" or "length"
 
 
-def dense_quantization(quantization: str) -> str:
-    """The loader's quantization for a dense target: "auto" (the served weights: layers that already are
-    4-bit groups stay so where a kernel takes them) or "none" (plain weights; the embedded GGUF's 4-bit
-    groups dequantised). Forcing 4-bit weights onto a model that has none is refused: a drafter would learn
-    a target other than the one served."""
+def dense_quantization(quantization: str, device: str = "cpu") -> str:
+    """The loader's quantization for a dense target: "served" (the served weights: layers that already are
+    4-bit groups stay so where a kernel takes them), "none" (plain weights; the embedded GGUF's 4-bit groups
+    dequantised) or "auto", the faster of the two here. On a CPU with AMX tiles that is plain: PyTorch's
+    packed bf16 matmuls take the dense pass's many rows faster than the 4-bit kernel's VNNI dot products
+    (2-core Sapphire Rapids: the trainer's target pass 1.0 against 2.5 s a step, data generation 860
+    against 738 tokens/s); elsewhere the served 4-bit layers (2-core Zen 4: 4.05 against 4.41 s, data generation +24%).
+    The two agree with the served decoder's argmax about equally often. Forcing 4-bit weights onto a model
+    that has none is refused: a drafter would learn a target other than the one served."""
     if quantization not in TARGET_QUANTIZATIONS:
-        raise ValueError(f"target quantization must be 'auto' or 'none', got {quantization!r}")
-    return quantization
+        raise ValueError(f"target quantization must be one of {', '.join(TARGET_QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "auto" and torch.device(device).type == "cpu" and amx_tiles():
+        return "none"
+    return "auto" if quantization == "served" else quantization
+
+
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (PyTorch's own check; False where this PyTorch lacks it)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check and check())
 
 
 class DenseTarget:

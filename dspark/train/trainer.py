@@ -138,7 +138,7 @@ class Trainer:
         self.target_cfg = json.loads((self.model_path / "config.json").read_text())
         dtype = resolve_dtype(self.cfg.target_dtype, str(self.device))
         decoder = load_decoder(self.model_path, dtype=dtype, device=str(self.device),
-                               quantization=dense_quantization(self.cfg.target_quantization))
+                               quantization=dense_quantization(self.cfg.target_quantization, str(self.device)))
         self.target = DenseTarget(decoder)
         self.embed, self.lm_head = decoder.embed_tokens.weight, decoder.lm_head.weight
 
