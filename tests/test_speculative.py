@@ -214,6 +214,18 @@ def test_profile_measures_loaded_steps(tiny_llama_dir, tmp_path):
     assert SPSTable.load(path).points_by_seqs == pts
 
 
+def test_cached_table_belongs_to_its_cpu(tiny_llama_dir, tmp_path, monkeypatch):
+    """Two hosts sharing a $DSPARK_HOME (another CPU model or core count) keep separate SPS tables."""
+    import dspark.speculative.profile as prof
+
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    decoder = load_decoder(tiny_llama_dir)
+    here = prof.table_cache_path(tiny_llama_dir, decoder, 8)
+    assert prof.table_cache_path(tiny_llama_dir, decoder, 8) == here
+    monkeypatch.setattr(prof, "cpu_identity", lambda: "Another CPU|cores=64|isa=AVX2")
+    assert prof.table_cache_path(tiny_llama_dir, decoder, 8) != here
+
+
 def test_quick_profile_is_a_coarser_grid_and_a_cached_full_table_wins(tiny_llama_dir, tmp_path, monkeypatch):
     """A first start with sps_profile "quick" measures the coarse grid (cached apart from the full
     table); once a full table is cached, quick starts use it."""

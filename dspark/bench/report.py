@@ -16,20 +16,14 @@ from pathlib import Path
 
 from dspark.bench.plots import headline_cells, make_plots
 from dspark.bench.roofline import method_fractions
+from dspark.host import cpu_name
 
 
 def machine() -> dict:
     """What the numbers were measured on."""
     import torch
 
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "gpu": gpu,
             "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from dspark.cache import blocks_for
+from dspark.host import cpu_identity
 from dspark.models import native, native_avx2
 from dspark.models.attention import KV_ALIGN
 from dspark.models.decoder import Decoder
@@ -157,9 +158,10 @@ def _monotone(points: dict[int, float]) -> dict[int, float]:
 
 def table_cache_path(model_path: Path, decoder: Decoder, max_tokens: int, max_seqs: int = 1,
                      profile: str = "full") -> Path:
-    """Where the cached table for this model / dtype / kernels / threads / device / torch version lives."""
+    """Where the cached table for this model / dtype / kernels / threads / device / CPU / torch version lives."""
     key = "|".join([str(Path(model_path).resolve()), decoder.weight_format, str(torch.get_num_threads()),
-                    str(decoder.device), torch.__version__, str(max_tokens), f"seqs={max_seqs}", "ctx=256"]
+                    str(decoder.device), cpu_identity(), torch.__version__, str(max_tokens), f"seqs={max_seqs}",
+                    "ctx=256"]
                    + ([f"dspark-kernels-{native.build_key()}"] if getattr(decoder, "kernels", False) else [])
                    + ([f"dspark-avx2-{native_avx2.build_key()}"] if native_avx2.build_key() else [])
                    + ([] if profile == "full" else [profile]))
