@@ -1,4 +1,5 @@
-"""The machine a process runs on, as a cached timing (an SPS table) and a benchmark report name it."""
+"""The machine a process runs on: what a cached timing (an SPS table) and a benchmark report name it by, and
+whether its CPU has AMX tiles (the trainer's choice of target pass)."""
 from __future__ import annotations
 
 import os
@@ -23,3 +24,11 @@ def cpu_identity() -> str:
     import torch
 
     return f"{cpu_name()}|cores={os.cpu_count()}|isa={torch.backends.cpu.get_cpu_capability()}"
+
+
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (PyTorch's own check; False where this PyTorch lacks it)."""
+    import torch
+
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check and check())

@@ -5,7 +5,8 @@
 # recipes/s38.sh (its training step), s39.sh, s40.sh and s41.sh run it.
 #   NAME=sNN P=/path/to/train-prompts bash recipes/continue-stage.sh [more dspark train options, e.g. --twin '...']
 #   (runs/train/NAME[-dflash], runs/drafters/NAME[-dflash]; GEN_SECONDS, CHAT_SECONDS, CODE_SECONDS, STEPS;
-#   SKIP_DATA=1, SKIP_TRAIN=1). Resumable: finished shards are skipped, training resumes from its run dir.
+#   SKIP_DATA=1, SKIP_TRAIN=1; DATA: the --data options of the mix, by default recipes/s38.sh's directories).
+#   Resumable: finished shards are skipped, training resumes from its run dir.
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
 : "${NAME:?set NAME to the run name of the stage (runs/train/NAME, runs/drafters/NAME)}"
@@ -14,8 +15,10 @@ if [[ "${SKIP_DATA:-0}" != 1 ]]; then  # session 38's data commands, continued
     SKIP_TRAIN=1 bash recipes/s38.sh
 fi
 [[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
-$D train --data runs/data/gen-sampled-38:2 --data runs/data/gen-sampled-31:2 --data runs/data/gen-chat-36:2 \
-    --data runs/data/gen-code-38:2 --data runs/data/gen-code-34 --data runs/data/sharegpt-chats-2k \
+DATA=${DATA:-"--data runs/data/gen-sampled-38:2 --data runs/data/gen-sampled-31:2 --data runs/data/gen-chat-36:2
+    --data runs/data/gen-code-38:2 --data runs/data/gen-code-34 --data runs/data/sharegpt-chats-2k"}
+# shellcheck disable=SC2086  # DATA is a list of options (paths without spaces)
+$D train $DATA \
     --target-layer-ids 1,8,15,22,28 \
     --mask-token-id 16 --draft-vocab-size 16384 --batch-size 16 --micro-tokens 4096 --anchors 128 \
     --steps "${STEPS:-250}" --lr 3e-4 --min-lr-ratio 0.1 --ckpt-every 5 --val-every-nth 20 --val-max 16 \

@@ -5,7 +5,8 @@
 #    GSM8K-train answers (seed 38) from shard 39, package-prompt answers (seed 38) from shard 30;
 # 2. a greedy chat stream of ShareGPT first turns under --seed 43 (gen-chat-36/41, whose answered prompts it
 #    would skip, are gone; greedy answers to a prompt seen before repeat it, so no package prompts here);
-# 3. the shipped drafter (stage U) and its DFlash twin continue in one process on the same batches.
+# 3. the shipped drafter (stage U) and its DFlash twin continue in one process on the same batches
+#    (recipes/continue-stage.sh on this mix).
 # Resumable: rerun after any stop (finished shards are skipped, training resumes from its run dir). A later stage
 # reruns it under another NAME from the drafter shipped by then; where runs/ was lost again, the *_START
 # variables skip the shards trained on already (session 43 stopped before shards 56, 40 and 16).
@@ -28,12 +29,5 @@ if [[ "${SKIP_DATA:-0}" != 1 ]]; then
         --max-tokens 320 --shard-size 128 --max-num-seqs 64 --time-limit "${CHAT_SECONDS:-600}"
 fi
 [[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
-$D train --data runs/data/gen-sampled-38b:2 --data runs/data/gen-code-38b:2 --data runs/data/gen-chat-43:2 \
-    --data runs/data/sharegpt-chats-2k \
-    --target-layer-ids 1,8,15,22,28 \
-    --mask-token-id 16 --draft-vocab-size 16384 --batch-size 16 --micro-tokens 4096 --anchors 128 \
-    --steps "${STEPS:-250}" --lr 3e-4 --min-lr-ratio 0.1 --ckpt-every 5 --val-every-nth 20 --val-max 16 \
-    --curve-start 20000 --no-curve-snapshots --threads 2 \
-    --init-from dspark/checkpoints/smollm2-135m-dspark --run-dir "runs/train/$NAME" --num-layers 2 --markov-rank 64 \
-    --conf-label greedy --export "runs/drafters/$NAME" \
-    --twin "--init-from dspark/checkpoints/smollm2-135m-dflash --run-dir runs/train/$NAME-dflash --markov-rank 0 --no-confidence-head --export runs/drafters/$NAME-dflash"
+SKIP_DATA=1 NAME=$NAME DATA="--data runs/data/gen-sampled-38b:2 --data runs/data/gen-code-38b:2
+    --data runs/data/gen-chat-43:2 --data runs/data/sharegpt-chats-2k" exec bash recipes/continue-stage.sh

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.cache import blocks_for
+from dspark.host import amx_tiles
 from dspark.models import native
 from dspark.models.layers import apply_rotary, silu_gate
 from dspark.models.packing import PackedLinear, packing_supported
@@ -83,12 +84,6 @@ def dense_quantization(quantization: str, device: str = "cpu") -> str:
     if quantization == "auto" and torch.device(device).type == "cpu" and amx_tiles():
         return "none"
     return "auto" if quantization == "served" else quantization
-
-
-def amx_tiles() -> bool:
-    """Whether this CPU has AMX tiles (PyTorch's own check; False where this PyTorch lacks it)."""
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(check and check())
 
 
 class DenseTarget:
