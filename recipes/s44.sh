@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Session 44: recipes/s43.sh's sampled GSM8K-train stream (seed 38) answered every question, so a second
+# sampled pass over them starts under --seed 44 (other answers at T = 0.7) in its own directory; the
+# package-prompt and chat streams of recipes/s43.sh continue where they stopped; the shipped drafter and its
+# DFlash twin continue on the mix (recipes/continue-stage.sh), the new stream beside the old ones.
+# Resumable: rerun after any stop (finished shards are skipped, training resumes from its run dir); a later
+# stage reruns it under another NAME from the drafter shipped by then.
+#   [NAME=sNN] P=/path/to/train-prompts bash recipes/s44.sh
+#   (GEN_SECONDS for the new stream, CODE_SECONDS, CHAT_SECONDS and *_START as in recipes/s43.sh, STEPS;
+#   SKIP_DATA=1, SKIP_TRAIN=1)
+set -euo pipefail
+: "${P:?set P to the folder of training prompt files}"
+D=${DSPARK_BIN:-.venv/bin/dspark}
+NAME=${NAME:-s44}
+if [[ "${SKIP_DATA:-0}" != 1 ]]; then
+    $D train-data --out runs/data/gen-sampled-44 --prompts "$P/gsm8k_train.jsonl" --seed 44 \
+        --prompt-suffix 'Please reason step by step, and put your final answer within \boxed{}.' \
+        --temperature 0.7 --top-p 0.8 --top-k 20 --max-tokens 320 --shard-size 128 --max-num-seqs 64 \
+        --time-limit "${GEN_SECONDS:-600}"
+    GEN_SECONDS=1 SKIP_TRAIN=1 bash recipes/s43.sh  # its GSM8K stream is finished; code and chat continue
+fi
+[[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
+SKIP_DATA=1 NAME=$NAME DATA="--data runs/data/gen-sampled-44:2 --data runs/data/gen-sampled-38b:2
+    --data runs/data/gen-code-38b:2 --data runs/data/gen-chat-43:2 --data runs/data/sharegpt-chats-2k" \
+    exec bash recipes/continue-stage.sh
