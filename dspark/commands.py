@@ -9,6 +9,12 @@ from dspark.cli_args import (add_model_args, add_speculative_args, engine_config
                              speculative_options)
 
 
+# The demo's default prompt (written for it, in no training or eval set): a word problem answered step by step,
+# the kind of text the shipped drafter drafts best.
+DEMO_PROMPT = ("A farmer has 12 cows. Each cow gives 8 liters of milk a day, and he sells the milk for 2 dollars "
+               "a liter. How much money does he make in a week? Please reason step by step.")
+
+
 def register(sub) -> None:
     p = sub.add_parser("prepare", help="convert the embedded default model and build dspark's CPU kernels, "
                                        "once (safe to repeat)")
@@ -39,7 +45,9 @@ def register(sub) -> None:
 
     d = sub.add_parser("demo", help="the same prompt with plain decoding and with DSpark, side by side")
     add_model_args(d)
-    d.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
+    d.add_argument("--prompt", default=DEMO_PROMPT,
+                   help="default: a grade-school word problem, where the shipped drafter's drafts survive best "
+                        "(mean accept length ~3); on open chat it is ~1-2 and DSpark runs at about plain speed")
     d.add_argument("--max-tokens", type=positive, default=128)
     add_speculative_args(d)
     d.set_defaults(func=demo, speculative_algorithm="DSPARK")
