@@ -6,8 +6,9 @@
 # Resumable: rerun after any stop (finished shards are skipped, training resumes from its run dir); a later
 # stage reruns it under another NAME from the drafter shipped by then.
 #   [NAME=sNN] P=/path/to/train-prompts bash recipes/s44.sh
-#   (GEN_SECONDS for the new stream, CODE_SECONDS, CHAT_SECONDS and *_START as in recipes/s43.sh, STEPS;
-#   SKIP_DATA=1, SKIP_TRAIN=1)
+#   (GEN_SECONDS and SEED44_START for the new stream, CODE_SECONDS, CHAT_SECONDS, CODE_START and CHAT_START as
+#   in recipes/s43.sh, STEPS; SKIP_DATA=1, SKIP_TRAIN=1). Where runs/ was lost, the *_START variables skip the
+#   shards trained on already.
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
 D=${DSPARK_BIN:-.venv/bin/dspark}
@@ -16,8 +17,9 @@ if [[ "${SKIP_DATA:-0}" != 1 ]]; then
     $D train-data --out runs/data/gen-sampled-44 --prompts "$P/gsm8k_train.jsonl" --seed 44 \
         --prompt-suffix 'Please reason step by step, and put your final answer within \boxed{}.' \
         --temperature 0.7 --top-p 0.8 --top-k 20 --max-tokens 320 --shard-size 128 --max-num-seqs 64 \
-        --time-limit "${GEN_SECONDS:-600}"
-    GEN_SECONDS=1 SKIP_TRAIN=1 bash recipes/s43.sh  # its GSM8K stream is finished; code and chat continue
+        --start-shard "${SEED44_START:-0}" --time-limit "${GEN_SECONDS:-600}"
+    # its GSM8K stream is finished (59 shards, none left from 59 on); code and chat continue
+    GEN_START=59 GEN_SECONDS=1 SKIP_TRAIN=1 bash recipes/s43.sh
 fi
 [[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
 SKIP_DATA=1 NAME=$NAME DATA="--data runs/data/gen-sampled-44:2 --data runs/data/gen-sampled-38b:2
