@@ -11,7 +11,8 @@
 # reruns it under another NAME from the drafter shipped by then; where runs/ was lost again, the *_START
 # variables skip the shards trained on already (session 43 stopped before shards 56, 40 and 16).
 #   [NAME=sNN] P=/path/to/train-prompts bash recipes/s43.sh
-#   (GEN_SECONDS, CODE_SECONDS, CHAT_SECONDS, GEN_START, CODE_START, CHAT_START, STEPS; SKIP_DATA=1, SKIP_TRAIN=1)
+#   (GEN_SECONDS, CODE_SECONDS, CHAT_SECONDS, GEN_START, CODE_START, CHAT_START, STEPS; SKIP_DATA=1, SKIP_TRAIN=1;
+#   GEN_SEED and GEN_DIR: another sampled pass over the GSM8K-train questions, as recipes/s44.sh makes)
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
 D=${DSPARK_BIN:-.venv/bin/dspark}
@@ -20,7 +21,8 @@ SAMPLED=(--temperature 0.7 --top-p 0.8 --top-k 20 --max-tokens 320 --shard-size 
 if [[ "${SKIP_DATA:-0}" != 1 ]]; then
     [[ -f runs/data/sharegpt-chats-2k/manifest.json ]] || \
         $D train-data --out runs/data/sharegpt-chats-2k --sharegpt-chats 2000 --max-len 1024 --shard-size 500
-    $D train-data --out runs/data/gen-sampled-38b --prompts "$P/gsm8k_train.jsonl" --seed 38 --start-shard "${GEN_START:-39}" \
+    $D train-data --out "${GEN_DIR:-runs/data/gen-sampled-38b}" --prompts "$P/gsm8k_train.jsonl" --seed "${GEN_SEED:-38}" \
+        --start-shard "${GEN_START:-39}" \
         --prompt-suffix 'Please reason step by step, and put your final answer within \boxed{}.' \
         "${SAMPLED[@]}" --time-limit "${GEN_SECONDS:-720}"
     $D train-data --out runs/data/gen-code-38b --package-test-prompts 7855 --seed 38 --start-shard "${CODE_START:-30}" \

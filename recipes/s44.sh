@@ -11,15 +11,11 @@
 #   shards trained on already.
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
-D=${DSPARK_BIN:-.venv/bin/dspark}
 NAME=${NAME:-s44}
 if [[ "${SKIP_DATA:-0}" != 1 ]]; then
-    $D train-data --out runs/data/gen-sampled-44 --prompts "$P/gsm8k_train.jsonl" --seed 44 \
-        --prompt-suffix 'Please reason step by step, and put your final answer within \boxed{}.' \
-        --temperature 0.7 --top-p 0.8 --top-k 20 --max-tokens 320 --shard-size 128 --max-num-seqs 64 \
-        --start-shard "${SEED44_START:-0}" --time-limit "${GEN_SECONDS:-600}"
-    # its GSM8K stream is finished (59 shards, none left from 59 on); code and chat continue
-    GEN_START=59 GEN_SECONDS=1 SKIP_TRAIN=1 bash recipes/s43.sh
+    # recipes/s43.sh's data step with its GSM8K stream moved to the seed-44 pass (the seed-38 one is finished)
+    GEN_SEED=44 GEN_DIR=runs/data/gen-sampled-44 GEN_START="${SEED44_START:-0}" GEN_SECONDS="${GEN_SECONDS:-600}" \
+        SKIP_TRAIN=1 bash recipes/s43.sh
 fi
 [[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
 SKIP_DATA=1 NAME=$NAME DATA="--data runs/data/gen-sampled-44:2 --data runs/data/gen-sampled-38b:2
