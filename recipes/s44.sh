@@ -8,7 +8,7 @@
 #   [NAME=sNN] P=/path/to/train-prompts bash recipes/s44.sh
 #   (GEN_SECONDS and SEED44_START for the new stream, CODE_SECONDS, CHAT_SECONDS, CODE_START and CHAT_START as
 #   in recipes/s43.sh, STEPS; SKIP_DATA=1, SKIP_TRAIN=1). Where runs/ was lost, the *_START variables skip the
-#   shards trained on already.
+#   shards trained on already, and the mix leaves out the finished seed-38 stream (nothing makes it again).
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
 NAME=${NAME:-s44}
@@ -18,6 +18,9 @@ if [[ "${SKIP_DATA:-0}" != 1 ]]; then
         SKIP_TRAIN=1 bash recipes/s43.sh
 fi
 [[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
-SKIP_DATA=1 NAME=$NAME DATA="--data runs/data/gen-sampled-44:2 --data runs/data/gen-sampled-38b:2
+# the finished seed-38 stream is replayed where runs/ still holds it (a lost runs/ does not make it again)
+OLD=""
+compgen -G "runs/data/gen-sampled-38b/shard_*.pt" > /dev/null && OLD="--data runs/data/gen-sampled-38b:2"
+SKIP_DATA=1 NAME=$NAME DATA="--data runs/data/gen-sampled-44:2 $OLD
     --data runs/data/gen-code-38b:2 --data runs/data/gen-chat-43:2 --data runs/data/sharegpt-chats-2k" \
     exec bash recipes/continue-stage.sh
