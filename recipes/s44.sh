@@ -7,8 +7,10 @@
 # stage reruns it under another NAME from the drafter shipped by then.
 #   [NAME=sNN] P=/path/to/train-prompts bash recipes/s44.sh
 #   (GEN_SECONDS and SEED44_START for the new stream, CODE_SECONDS, CHAT_SECONDS, CODE_START and CHAT_START as
-#   in recipes/s43.sh, STEPS; SKIP_DATA=1, SKIP_TRAIN=1). Where runs/ was lost, the *_START variables skip the
-#   shards trained on already, and the mix leaves out the finished seed-38 stream (nothing makes it again).
+#   in recipes/s43.sh, STEPS; SKIP_DATA=1, SKIP_TRAIN=1). Finished shards are skipped, but a stream fills every
+#   missing shard from its start: where runs/ was lost, or holds only a later session's shards, the *_START
+#   variables skip the shards trained on already. Where runs/ was lost the mix also leaves out the finished
+#   seed-38 stream (nothing makes it again).
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
 NAME=${NAME:-s44}
