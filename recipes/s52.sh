@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Session 52: the seed-46 sampled pass over ShareGPT first turns (recipes/s46.sh's gen-chat-46) ends at shard 46,
 # and chat (mt-bench) is the weakest eval set, so another sampled pass over ShareGPT first turns starts under
-# --seed 52 in its own directory. It draws 8000 turns, so its seeded draw comes from a larger pool of candidates
-# (the first 32000 distinct turns of the dump, not the 24000 the 6000-turn passes drew from), and a turn drawn
-# again gets another sampled answer. recipes/s48.sh's streams run first, from their starts, then the new one; the
-# shipped drafter and its DFlash twin continue on the mix (recipes/continue-stage.sh), every generated directory
-# that holds shards here at weight 2.
+# --seed 52 in its own directory: 8000 turns of another seeded shuffle of the dump's 13,567 distinct first turns
+# that pass the filters (every --sharegpt pass draws from those), and a turn drawn again gets another sampled
+# answer. recipes/s48.sh's streams run first, from their starts, then the new one; the shipped drafter and its
+# DFlash twin continue on the mix (recipes/continue-stage.sh), every generated directory that holds shards here
+# at weight 2.
 # Resumable: rerun after any stop (finished shards are skipped, training resumes from its run dir); a later stage
 # reruns it under another NAME from the drafter shipped by then.
 #   [NAME=sNN] P=/path/to/train-prompts bash recipes/s52.sh
