@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session 53: the seed-48 sampled pass over GSM8K-train (recipes/s48.sh's gen-sampled-48) ended in session 52, and
+# GSM8K is the set that gains most per token, so a fourth sampled pass over GSM8K-train starts under --seed 53 in its
+# own directory (all 7473 problems in another seeded order, each answered anew at temperature 0.7).
+# recipes/s52.sh's streams run first, from their starts, then the new one; the shipped drafter and its DFlash twin
+# continue on the mix (recipes/continue-stage.sh), every generated directory that holds shards here at weight 2.
+# Resumable: rerun after any stop (finished shards are skipped, training resumes from its run dir); a later stage
+# reruns it under another NAME from the drafter shipped by then.
+#   [NAME=sNN] P=/path/to/train-prompts bash recipes/s53.sh
+#   (recipes/s52.sh's variables; for the new pass GEN53_SECONDS and GEN53_START; STEPS; SKIP_DATA=1, SKIP_TRAIN=1).
+#   Where runs/ was lost, or holds only a later session's shards, the *_START variables skip the shards trained on.
+set -euo pipefail
+: "${P:?set P to the folder of training prompt files}"
+D=${DSPARK_BIN:-.venv/bin/dspark}
+NAME=${NAME:-s53}
+if [[ "${SKIP_DATA:-0}" != 1 ]]; then
+    SKIP_TRAIN=1 bash recipes/s52.sh
+    $D train-data --out runs/data/gen-sampled-53 --prompts "$P/gsm8k_train.jsonl" --seed 53 \
+        --start-shard "${GEN53_START:-0}" \
+        --prompt-suffix 'Please reason step by step, and put your final answer within \boxed{}.' \
+        --temperature 0.7 --top-p 0.8 --top-k 20 --max-tokens 320 --shard-size 128 --max-num-seqs 64 \
+        --time-limit "${GEN53_SECONDS:-360}"
+fi
+[[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
+# a stream with no shards here (finished, and runs/ lost since) stays out of the mix: an empty --data stops the trainer
+DATA=""
+for dir in gen-sampled-53 gen-chat-52 gen-sampled-48 gen-sampled-44 gen-sampled-38b gen-code-38b gen-chat-43 \
+        gen-code-46 gen-chat-46; do
+    compgen -G "runs/data/$dir/shard_*.pt" > /dev/null && DATA="$DATA --data runs/data/$dir:2"
+done
+SKIP_DATA=1 NAME=$NAME DATA="$DATA --data runs/data/sharegpt-chats-2k" exec bash recipes/continue-stage.sh
