@@ -5,7 +5,9 @@
 # recipes/s38.sh (its training step), s39.sh, s40.sh and s41.sh run it.
 #   NAME=sNN P=/path/to/train-prompts bash recipes/continue-stage.sh [more dspark train options, e.g. --twin '...']
 #   (runs/train/NAME[-dflash], runs/drafters/NAME[-dflash]; GEN_SECONDS, CHAT_SECONDS, CODE_SECONDS, STEPS;
-#   SKIP_DATA=1, SKIP_TRAIN=1; DATA: the --data options of the mix, by default recipes/s38.sh's directories).
+#   SKIP_DATA=1, SKIP_TRAIN=1; DATA: the --data options of the mix, by default recipes/s38.sh's directories;
+#   GEN_DIRS instead: generated directories under runs/data, each at weight 2 where it holds shards, plus the
+#   greedy ShareGPT chats, the mix of recipes/s46.sh and later).
 #   Resumable: finished shards are skipped, training resumes from its run dir.
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
@@ -15,6 +17,14 @@ if [[ "${SKIP_DATA:-0}" != 1 ]]; then  # session 38's data commands, continued
     SKIP_TRAIN=1 bash recipes/s38.sh
 fi
 [[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
+if [[ -n "${GEN_DIRS:-}" ]]; then
+    # a stream with no shards here (finished, and runs/ lost since) stays out: an empty --data stops the trainer
+    DATA=""
+    for dir in $GEN_DIRS; do
+        compgen -G "runs/data/$dir/shard_*.pt" > /dev/null && DATA="$DATA --data runs/data/$dir:2"
+    done
+    DATA="$DATA --data runs/data/sharegpt-chats-2k"
+fi
 DATA=${DATA:-"--data runs/data/gen-sampled-38:2 --data runs/data/gen-sampled-31:2 --data runs/data/gen-chat-36:2
     --data runs/data/gen-code-38:2 --data runs/data/gen-code-34 --data runs/data/sharegpt-chats-2k"}
 # shellcheck disable=SC2086  # DATA is a list of options (paths without spaces)

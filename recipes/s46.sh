@@ -24,9 +24,6 @@ if [[ "${SKIP_DATA:-0}" != 1 ]]; then
         --start-shard "${CHAT46_START:-0}" "${SAMPLED[@]}" --time-limit "${CHAT46_SECONDS:-360}"
 fi
 [[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
-# a stream with no shards here (finished, and runs/ lost since) stays out of the mix: an empty --data stops the trainer
-DATA=""
-for dir in gen-sampled-44 gen-sampled-38b gen-code-38b gen-chat-43 gen-code-46 gen-chat-46; do
-    compgen -G "runs/data/$dir/shard_*.pt" > /dev/null && DATA="$DATA --data runs/data/$dir:2"
-done
-SKIP_DATA=1 NAME=$NAME DATA="$DATA --data runs/data/sharegpt-chats-2k" exec bash recipes/continue-stage.sh
+# the mix: these generated directories at weight 2 (those with shards here), plus the greedy ShareGPT chats
+SKIP_DATA=1 NAME=$NAME GEN_DIRS="gen-sampled-44 gen-sampled-38b gen-code-38b gen-chat-43 gen-code-46 gen-chat-46" \
+    exec bash recipes/continue-stage.sh

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 53: the seed-48 sampled pass over GSM8K-train (recipes/s48.sh's gen-sampled-48) ended in session 52, and
-# GSM8K is the set that gains most per token, so a fourth sampled pass over GSM8K-train starts under --seed 53 in its
-# own directory (all 7473 problems in another seeded order, each answered anew at temperature 0.7).
+# Session 53: the seed-48 sampled pass over GSM8K-train (recipes/s48.sh's gen-sampled-48) ended in session 52,
+# and GSM8K is the set that gains most per token, so a fourth sampled pass over GSM8K-train starts under --seed 53
+# in its own directory (all 7473 problems in another seeded order, each answered anew at temperature 0.7).
 # recipes/s52.sh's streams run first, from their starts, then the new one; the shipped drafter and its DFlash twin
 # continue on the mix (recipes/continue-stage.sh), every generated directory that holds shards here at weight 2.
 # Resumable: rerun after any stop (finished shards are skipped, training resumes from its run dir); a later stage
@@ -22,10 +22,7 @@ if [[ "${SKIP_DATA:-0}" != 1 ]]; then
         --time-limit "${GEN53_SECONDS:-360}"
 fi
 [[ "${SKIP_TRAIN:-0}" == 1 ]] && exit 0
-# a stream with no shards here (finished, and runs/ lost since) stays out of the mix: an empty --data stops the trainer
-DATA=""
-for dir in gen-sampled-53 gen-chat-52 gen-sampled-48 gen-sampled-44 gen-sampled-38b gen-code-38b gen-chat-43 \
-        gen-code-46 gen-chat-46; do
-    compgen -G "runs/data/$dir/shard_*.pt" > /dev/null && DATA="$DATA --data runs/data/$dir:2"
-done
-SKIP_DATA=1 NAME=$NAME DATA="$DATA --data runs/data/sharegpt-chats-2k" exec bash recipes/continue-stage.sh
+# the mix: these generated directories at weight 2 (those with shards here), plus the greedy ShareGPT chats
+SKIP_DATA=1 NAME=$NAME GEN_DIRS="gen-sampled-53 gen-chat-52 gen-sampled-48 gen-sampled-44 gen-sampled-38b
+    gen-code-38b gen-chat-43 gen-code-46 gen-chat-46" \
+    exec bash recipes/continue-stage.sh
