@@ -7,12 +7,16 @@
 #   (runs/train/NAME[-dflash], runs/drafters/NAME[-dflash]; GEN_SECONDS, CHAT_SECONDS, CODE_SECONDS, STEPS;
 #   SKIP_DATA=1, SKIP_TRAIN=1; DATA: the --data options of the mix, by default recipes/s38.sh's directories;
 #   GEN_DIRS instead: generated directories under runs/data, each at weight 2 where it holds shards, plus the
-#   greedy ShareGPT chats, the mix of recipes/s46.sh and later).
+#   greedy ShareGPT chats, the mix of recipes/s46.sh and later; INIT: the drafters to continue from, by default
+#   the shipped pair, e.g. INIT=runs/drafters/s54 for a candidate that was not shipped and its -dflash twin).
 #   Resumable: finished shards are skipped, training resumes from its run dir.
 set -euo pipefail
 : "${P:?set P to the folder of training prompt files}"
 : "${NAME:?set NAME to the run name of the stage (runs/train/NAME, runs/drafters/NAME)}"
 D=${DSPARK_BIN:-.venv/bin/dspark}
+INIT_DSPARK=${INIT:-dspark/checkpoints/smollm2-135m-dspark}
+INIT_DFLASH=${INIT:+$INIT-dflash}
+INIT_DFLASH=${INIT_DFLASH:-dspark/checkpoints/smollm2-135m-dflash}
 if [[ "${SKIP_DATA:-0}" != 1 ]]; then  # session 38's data commands, continued
     SKIP_TRAIN=1 bash recipes/s38.sh
 fi
@@ -33,7 +37,7 @@ $D train $DATA \
     --mask-token-id 16 --draft-vocab-size 16384 --batch-size 16 --micro-tokens 4096 --anchors 128 \
     --steps "${STEPS:-250}" --lr 3e-4 --min-lr-ratio 0.1 --ckpt-every 5 --val-every-nth 20 --val-max 16 \
     --curve-start 20000 --no-curve-snapshots --threads 2 \
-    --init-from dspark/checkpoints/smollm2-135m-dspark --run-dir "runs/train/$NAME" --num-layers 2 --markov-rank 64 \
+    --init-from "$INIT_DSPARK" --run-dir "runs/train/$NAME" --num-layers 2 --markov-rank 64 \
     --conf-label greedy --export "runs/drafters/$NAME" \
-    --twin "--init-from dspark/checkpoints/smollm2-135m-dflash --run-dir runs/train/$NAME-dflash --markov-rank 0 --no-confidence-head --export runs/drafters/$NAME-dflash" \
+    --twin "--init-from $INIT_DFLASH --run-dir runs/train/$NAME-dflash --markov-rank 0 --no-confidence-head --export runs/drafters/$NAME-dflash" \
     "$@"
