@@ -11,7 +11,9 @@ docs/results.md = a fixed header + the generated tables + the figures.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -22,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from dspark.cli import main as dspark
+from dspark.drafters.registry import SHIPPED, shipped_path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = """# Results: the embedded default (SmolLM2-135M-Instruct)
@@ -84,11 +87,32 @@ def serve_runs(args, out: Path, sps: Path, datasets: list[str]) -> None:
                 proc.kill()
 
 
-def write_page(out: Path, page: Path, argv: list[str]) -> None:
-    """docs/results.md: the header, the command of this run, then results.md with figure links made
-    relative to the page."""
+def drafters_line(checkpoints: dict[str, Path] | None = None) -> str:
+    """Which shipped drafters the run used: training tokens (the run log's last line) and a weights hash,
+    so a page older than the checkpoints it describes shows it."""
+    checkpoints = checkpoints or {algo: shipped_path(algo) for algo in SHIPPED}
+    parts = []
+    for algo, path in checkpoints.items():
+        weights = path / "model.safetensors"
+        if not weights.is_file():
+            parts.append(f"{algo} not installed")
+            continue
+        digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:12]
+        tokens = ""
+        log = path / "run_log.jsonl"
+        if log.is_file() and log.read_text().strip():
+            seen = json.loads(log.read_text().strip().splitlines()[-1]).get("tokens")
+            tokens = f"{seen / 1e6:.2f}M training tokens, " if seen else ""
+        parts.append(f"{algo} `{path.name}` ({tokens}weights sha256 {digest})")
+    return "Drafters: " + "; ".join(parts) + ".\n\n"
+
+
+def write_page(out: Path, page: Path, argv: list[str], checkpoints: dict[str, Path] | None = None) -> None:
+    """docs/results.md: the header, the command of this run and the drafters it used, then results.md
+    with figure links made relative to the page."""
     body = (out / "results.md").read_text().split("\n", 1)[1]  # drop its own title
     run = "This page: `.venv/bin/python bench/results_page.py " + " ".join(argv) + "`.\n\n"
+    run += drafters_line(checkpoints)
     here = Path(page).resolve().parent
     rel = Path(os.path.relpath(out.resolve(), here)).as_posix()
     body = re.sub(r"!\[([^\]]*)\]\(([^)/]+)\)", lambda m: f"![{m.group(1)}]({rel}/{m.group(2)})", body)

@@ -3,6 +3,7 @@ roofline, datasets, acceptance bookkeeping and report writing. Numbers are not a
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.machinery
 import importlib.util
 import json
@@ -260,10 +261,18 @@ def test_results_page_links_figures_from_docs(tmp_path):
     (out / "results.md").write_text("# title\n\n| a |\n|---|\n\n![tau by dataset](tau_by_dataset.png)\n")
     page = tmp_path / "docs" / "results.md"
     page.parent.mkdir()
-    page_module.write_page(out, page, ["--eval-dir", "E", "--num-prompts", "3"])
+    ckpt = tmp_path / "ckpt-dspark"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    (ckpt / "run_log.jsonl").write_text('{"step": 1, "tokens": 10}\n{"step": 2, "tokens": 47333087}\n')
+    page_module.write_page(out, page, ["--eval-dir", "E", "--num-prompts", "3"],
+                           {"DSPARK": ckpt, "DFLASH": tmp_path / "missing"})
     text = page.read_text()
     assert "bench/results_page.py" in text and "![tau by dataset](../bench/results/tau_by_dataset.png)" in text
     assert "This page: `.venv/bin/python bench/results_page.py --eval-dir E --num-prompts 3`" in text
+    digest = hashlib.sha256(b"weights").hexdigest()[:12]
+    assert f"Drafters: DSPARK `ckpt-dspark` (47.33M training tokens, weights sha256 {digest}); " \
+           "DFLASH not installed." in text
 
 
 def test_demo_is_a_one_prompt_race(tiny_llama_dir, capsys):
