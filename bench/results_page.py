@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ import httpx
 
 from dspark.cli import main as dspark
 from dspark.drafters.registry import SHIPPED, shipped_path
+from dspark.train.curve import LOG, curve_points
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = """# Results: the embedded default (SmolLM2-135M-Instruct)
@@ -88,8 +88,8 @@ def serve_runs(args, out: Path, sps: Path, datasets: list[str]) -> None:
 
 
 def drafters_line(checkpoints: dict[str, Path] | None = None) -> str:
-    """Which shipped drafters the run used: training tokens (the run log's last line) and a weights hash,
-    so a page older than the checkpoints it describes shows it."""
+    """Which shipped drafters the run used: training tokens (the run log's last validation) and a weights
+    hash, so a page older than the checkpoints it describes shows it."""
     checkpoints = checkpoints or {algo: shipped_path(algo) for algo in SHIPPED}
     parts = []
     for algo, path in checkpoints.items():
@@ -98,11 +98,8 @@ def drafters_line(checkpoints: dict[str, Path] | None = None) -> str:
             parts.append(f"{algo} not installed")
             continue
         digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:12]
-        tokens = ""
-        log = path / "run_log.jsonl"
-        if log.is_file() and log.read_text().strip():
-            seen = json.loads(log.read_text().strip().splitlines()[-1]).get("tokens")
-            tokens = f"{seen / 1e6:.2f}M training tokens, " if seen else ""
+        points = curve_points([path / LOG])
+        tokens = f"{points[-1]['tokens'] / 1e6:.2f}M training tokens, " if points else ""
         parts.append(f"{algo} `{path.name}` ({tokens}weights sha256 {digest})")
     return "Drafters: " + "; ".join(parts) + ".\n\n"
 

@@ -264,7 +264,8 @@ def test_results_page_links_figures_from_docs(tmp_path):
     ckpt = tmp_path / "ckpt-dspark"
     ckpt.mkdir()
     (ckpt / "model.safetensors").write_bytes(b"weights")
-    (ckpt / "run_log.jsonl").write_text('{"step": 1, "tokens": 10}\n{"step": 2, "tokens": 47333087}\n')
+    val = '"val": {"greedy_tau": 2.0, "greedy_match": [0.5]}'
+    (ckpt / "run_log.jsonl").write_text(f'{{"tokens": 10, {val}}}\n{{"tokens": 47333087, {val}}}\n')
     page_module.write_page(out, page, ["--eval-dir", "E", "--num-prompts", "3"],
                            {"DSPARK": ckpt, "DFLASH": tmp_path / "missing"})
     text = page.read_text()
