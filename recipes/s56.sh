@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 56: the sampled package-prompt pass of recipes/s46.sh (gen-code-46, seed 46) finished in session 55, and
-# HumanEval is the set that trails, so a second sampled pass over the package prompts starts under --seed 56 in its
-# own directory (every prompt in another seeded order, each answered anew at temperature 0.7).
+# without new code the HumanEval-style answers would fall behind in the mix, so a second sampled pass over the
+# package prompts starts under --seed 56 in its own directory (every prompt in another seeded order, each answered
+# anew at temperature 0.7).
 # recipes/s53.sh's streams run first, from their starts, then the new one; the shipped drafter and its DFlash twin
 # continue on the mix (recipes/continue-stage.sh), every generated directory that holds shards here at weight 2.
 # Resumable: rerun after any stop (finished shards are skipped, training resumes from its run dir); a later stage
