@@ -135,9 +135,27 @@ def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedd
     torch.testing.assert_close(one, logits_by_chunks(ref, ids, [32] + [1] * 16), rtol=0.05, atol=1.0)  # bf16 roundings through 30 layers
     assert (one.argmax(-1) == logits_by_chunks(ref, ids, [32] + [1] * 16).argmax(-1)).float().mean() >= 0.9
     assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
-    assert dec._fused  # one sequence: every layer ran as one call (csrc/layer.c) ...
-    dec._fused = False  # ... with the same bits as the layer-by-layer path that batches take
+    assert dec._fused  # one sequence: every layer ran fused (csrc/layer.c), all of them in one call ...
+    hidden = _hidden_of_a_window(dec, ids, (28, 1, 8))
+    assert dec._weights  # (dspark_layers ran)
+    dec._weights = False  # ... with the same bits, taps included, as one call per layer ...
     assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
+    assert torch.equal(_hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
+    dec._fused = False  # ... and as the layer-by-layer path that batches take
+    assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
+    assert torch.equal(_hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
+
+
+def _hidden_of_a_window(dec, ids, layers):
+    """The outputs of `layers` (side by side) for a window of 8 tokens after 40 cached ones."""
+    cache = dec.new_cache(4)
+    with torch.inference_mode():
+        for start, n in ((0, 40), (40, 8)):
+            cache.reserve("s", start + n)
+            out = dec(ids[start:start + n], torch.arange(start, start + n), cache, cache.prepare(["s"], [n]),
+                      hidden_layers=layers)
+    assert out.hidden.shape == (8, len(layers) * dec.config.hidden_size)
+    return out.hidden
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])

@@ -172,6 +172,9 @@ class Decoder(nn.Module):
         self._kernel_rope = self.kernels and not cfg.qk_norm and cfg.head_dim % 32 == 0
         self._avx2_rope = native_avx2.library() is not None and not cfg.qk_norm and cfg.head_dim % 16 == 0
         self._fused: bool | None = None  # every layer runs as one kernel call for one sequence (set on first use)
+        self._weights: tuple[torch.Tensor, float] | bool | None = None  # see _layer_weights (built on first use)
+        self._weight_refs: list[torch.Tensor] = []  # the tensors whose addresses _weights holds
+        self._taps: dict[tuple[int, ...], torch.Tensor] = {}  # hidden_layers -> dspark_layers' taps
 
     @property
     def dtype(self) -> torch.dtype:
@@ -218,6 +221,48 @@ class Decoder(nn.Module):
             self._fused = all(layer.fusable() for layer in self.layers)
         return self._fused
 
+    def _layers_in_one_call(self, x: torch.Tensor, rope: KernelRope, cache: KVCache, meta: AttentionMetadata,
+                            scratch: torch.Tensor, q_buf: torch.Tensor,
+                            hidden_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused layers of one sequence's step as one kernel call (csrc/layer.c, dspark_layers): the same bits
+        as DecoderLayer.forward_fused layer by layer, without the Python of ~30 calls. -> (the last layer's output,
+        the hidden_layers' outputs side by side [T, m * d], or None without any)."""
+        c, t, g = self.config, x.shape[0], meta.groups[0]
+        pointers, eps = self._layer_weights()
+        taps = self._taps.get(hidden_layers)
+        if taps is None:
+            taps = torch.full((len(self.layers),), -1, dtype=torch.int64)
+            for j, i in enumerate(hidden_layers):
+                taps[i] = j * c.hidden_size
+            taps = self._taps[hidden_layers] = taps
+        hidden = x.new_empty(t, len(hidden_layers) * c.hidden_size) if hidden_layers else None
+        out, tmp, a, kv = torch.empty_like(x), torch.empty_like(x), self.layers[0].self_attn, cache.kv
+        native.loaded().dspark_layers(
+            x.data_ptr(), out.data_ptr(), tmp.data_ptr(), len(self.layers), pointers.data_ptr(), t, c.hidden_size, eps,
+            a.h, a.hkv, a.hd, c.intermediate_size, rope.positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
+            rope.q_scale, kv.data_ptr(), kv.stride(0), kv.shape[2], meta.slot_mapping.data_ptr(), g.kv_start,
+            g.mask.data_ptr(), g.mask.shape[-1], scratch.data_ptr(), q_buf.data_ptr(),
+            taps.data_ptr() if hidden_layers else None, None if hidden is None else hidden.data_ptr(),
+            0 if hidden is None else hidden.shape[1], torch.get_num_threads())
+        return out, hidden
+
+    def _layer_weights(self) -> tuple[torch.Tensor, float] | None:
+        """(every layer's weights for dspark_layers: [layers * 6] int64 addresses of its two norm gains in fp32
+        and its packed qkv, o, gate_up and down; the norms' eps), or None where the norms' eps differ (then the
+        layers are called one by one). Built once, on the first fused step, from the weights as they are then (a
+        served model's never change); the tensors stay referenced here."""
+        if self._weights is None:
+            refs = []
+            for layer in self.layers:
+                a, m = layer.self_attn, layer.mlp
+                refs += [layer.input_layernorm._cached_weight(None), layer.post_attention_layernorm._cached_weight(None),
+                         a.qkv_proj.packed, a.o_proj.packed, m.gate_up.packed, m.down.packed]
+            eps = {n.eps for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+            self._weight_refs = refs
+            self._weights = (torch.tensor([w.data_ptr() for w in refs], dtype=torch.int64), eps.pop()) \
+                if len(eps) == 1 else False
+        return self._weights or None
+
     def new_cache(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
         c = self.config
         return KVCache(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -245,22 +290,27 @@ class Decoder(nn.Module):
             rope = self.rope_tables(positions)
         wanted = set(hidden_layers)
         taps = {}
+        hidden = None
         if isinstance(rope, KernelRope) and self._one_sequence(meta) and x.is_contiguous():
             c, t = self.config, x.shape[0]
             scratch = x.new_empty(t * (5 * c.hidden_size + (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim
                                        + 3 * c.intermediate_size))
             q_buf = torch.empty(t * c.num_heads * c.head_dim, dtype=torch.float32)
-            for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
-                x = layer.forward_fused(x, rope, pool, meta, scratch, q_buf)
-                if i in wanted:
-                    taps[i] = x
+            if x.dtype == torch.bfloat16 and len(wanted) == len(hidden_layers) and self._layer_weights() is not None:
+                x, hidden = self._layers_in_one_call(x, rope, cache, meta, scratch, q_buf, tuple(hidden_layers))
+            else:  # fp32 rows (the AVX2 library), or a layer tapped twice
+                for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
+                    x = layer.forward_fused(x, rope, pool, meta, scratch, q_buf)
+                    if i in wanted:
+                        taps[i] = x
         else:
             # hot loop: .forward() skips nn.Module.__call__'s hook handling (a few us a call, ~150 calls a step)
             for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
                 x = layer.forward(x, rope, pool, meta)
                 if i in wanted:
                     taps[i] = x
-        hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+        if hidden_layers and hidden is None:
+            hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1)
         logits = None
         if logits_rows is not None:
             h = self.norm(x.index_select(0, logits_rows))
