@@ -2,6 +2,7 @@
 the decoder's logits must equal the gathered path's bit for bit, at every window size."""
 from dataclasses import replace
 
+import pytest
 import torch
 
 from dspark.cache import KVCache
@@ -26,12 +27,42 @@ def test_lone_sequence_gets_consecutive_blocks_and_a_view():
     assert cache.prepare(["b", "c"], [1, 1]).groups[0].kv_start is None  # batches gather
 
 
+@pytest.mark.parametrize("kv_align", [1, 16])
+def test_the_lone_sequence_shortcut_builds_the_general_metadata(kv_align, monkeypatch):
+    """prepare() for one sequence in consecutive blocks (KVCache._prepare_consecutive) returns the slots, mask
+    and view the general path builds, step after step (prefill, decodes, windows, truncation); out of
+    consecutive blocks it leaves the sequence to the general path, which gathers."""
+    def steps(shortcut: bool):
+        cache = KVCache(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=16, block_size=4, kv_align=kv_align)
+        if not shortcut:
+            monkeypatch.setattr(cache, "_prepare_consecutive", lambda seq, q: None)
+        cache.reserve("other", 4)  # block 0
+        got = []
+        for n, keep in [(13, None), (1, None), (8, None), (1, 16), (3, None), (6, 17)]:
+            if keep is not None:
+                cache.truncate("s", keep)
+            cache.reserve("s", cache.length("s") + n)
+            got.append(cache.prepare(["s"], [n]))
+        cache.reserve("other", 20)  # its new blocks follow s's: s grows past them, not consecutive any more
+        cache.reserve("s", cache.length("s") + 20)
+        got.append(cache.prepare(["s"], [20]))
+        return got
+    for fast, slow in zip(steps(True), steps(False), strict=True):
+        a, b = fast.groups[0], slow.groups[0]
+        assert torch.equal(fast.slot_mapping, slow.slot_mapping) and torch.equal(a.mask, b.mask)
+        assert (a.kv_start, a.rows, a.q_index, a.max_q) == (b.kv_start, b.rows, b.q_index, b.max_q)
+        assert (a.kv_rows is None) == (a.kv_start is not None)
+    assert fast.groups[0].kv_start is None  # the last step gathers
+
+
 def test_view_and_gather_give_identical_logits(tiny_llama_dir):
     model = load_decoder(tiny_llama_dir, dtype=torch.bfloat16)  # the window-invariant CPU path
     ids = torch.randint(0, 1000, (600,), generator=torch.Generator().manual_seed(0))
     outs = {}
     for name, force_gather in (("view", False), ("gather", True)):
         cache = model.new_cache(num_blocks=64, block_size=16)
+        if force_gather:  # the general path's metadata, which has the rows to gather too
+            cache._prepare_consecutive = lambda seq, q: None
         got, done = [], 0
         with torch.inference_mode():
             for n in [300, 1, 8, 3, 1, 200, 7, 1, 79]:  # prefill, decodes and windows, past 512 keys

@@ -338,6 +338,30 @@ def test_packed_drafter_on_kernels_drafts_like_the_pytorch_route(head_dim):
         assert err("kernels") <= 1.25 * err("torch")
 
 
+@pytest.mark.parametrize("weight_bits", [8, 4])
+def test_a_greedy_round_in_one_call_drafts_what_the_calls_one_by_one_draft(weight_bits):
+    """DraftRunner.greedy_block (csrc/draft_block.c) against block() then greedy_picks(): the same kernels in the
+    same order, so the same drafts and confidence logits bit for bit, for one request (its fp32 cache read where it
+    lies), for several of different lengths (copied side by side) and for fewer drafts than the block."""
+    model = _drafter(pack=False, head_dim=32).pack(weight_bits=weight_bits)
+    runner = model.runner()
+    assert runner._plan is not None
+    feats = torch.randn(60, 2 * 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for lengths, anchors, n in (([31], [7], 5), ([31, 9, 50], [11, 200, 3], 5), ([12, 40], [5, 6], 2)):
+        caches = [model.new_cache() for _ in lengths]
+        assert all(c.kv.dtype == torch.float32 for c in caches)
+        model.extend_many(caches, [feats[:k] for k in lengths], [0] * len(lengths))
+        one_call = model.draft(caches, anchors, lengths, num_drafts=n, return_logits=False)
+        plan, runner._plan = runner._plan, None  # the calls one by one
+        try:
+            by_calls = model.draft(caches, anchors, lengths, num_drafts=n, return_logits=False)
+        finally:
+            runner._plan = plan
+        assert one_call.tokens.shape == (len(lengths), n)
+        assert torch.equal(one_call.tokens, by_calls.tokens)
+        assert torch.equal(one_call.conf_logits, by_calls.conf_logits)
+
+
 def test_4bit_drafter_computes_its_weights_on_the_fused_calls():
     """pack(weight_bits=4): every projection and the LM head on the 4-bit kernel, layers and context projection
     as fused calls (head_dim 32). On weights that already are 4-bit groups the 4-bit route loses nothing the

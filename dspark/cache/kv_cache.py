@@ -26,8 +26,9 @@ class AttentionGroup:
     rows: torch.Tensor | None  # [Tg] this group's tokens among the batch's T; None = all T, in order
     # [2 * kv_heads * Bg * S]: the cache rows each sequence reads (S of them, padding reads row 0,
     # masked), for every K/V head, in a layer's pool viewed as [2 * kv_heads * rows, head_dim]: one
-    # gather along the first axis (a gather along the pool's row axis, its second, runs ~2x slower)
-    kv_rows: torch.Tensor
+    # gather along the first axis (a gather along the pool's row axis, its second, runs ~2x slower);
+    # None where kv_start is set and nothing gathers
+    kv_rows: torch.Tensor | None
     mask: torch.Tensor  # [Bg, 1, Qg, S] bool, True = may attend
     q_index: torch.Tensor | None  # [Tg] row of each token in the padded [Bg*Qg] layout; None when Bg == 1
     max_q: int
@@ -139,6 +140,10 @@ class KVCache:
 
         Advances each sequence's length: the forward that uses this metadata writes those rows.
         """
+        if len(seqs) == 1:
+            meta = self._prepare_consecutive(seqs[0], query_lens[0])
+            if meta is not None:
+                return meta
         bs = self.block_size
         starts = [self._lengths[s] for s in seqs]
         totals = [st + q for st, q in zip(starts, query_lens)]
@@ -164,6 +169,24 @@ class KVCache:
         for s, tot in zip(seqs, totals):
             self._lengths[s] = tot
         return AttentionMetadata(slot_mapping=slot_mapping.to(self.device), groups=tuple(groups))
+
+    def _prepare_consecutive(self, seq: Hashable, q: int) -> AttentionMetadata | None:
+        """prepare() for one sequence whose blocks are consecutive in the pool (a sequence alone in it: batch 1),
+        from three tensor ops: its new rows, and its keys as rows kv_start.. of the pool (no gather rows). The same
+        metadata as the general path builds, less kv_rows; None where the blocks are not consecutive."""
+        table, bs, start = self._tables[seq], self.block_size, self._lengths[seq]
+        total = start + q
+        first = table[0] if table else 0
+        max_s = -(-total // self.kv_align) * self.kv_align
+        if table != list(range(first, first + len(table))) or (first * bs + max_s > self.num_blocks * bs):
+            return None
+        row0 = first * bs
+        mask = torch.arange(max_s, device=self.device) <= torch.arange(start, total, device=self.device).unsqueeze(1)
+        self._lengths[seq] = total
+        group = AttentionGroup(rows=None, kv_rows=None, mask=mask.view(1, 1, q, max_s), q_index=None, max_q=q,
+                               kv_start=row0)
+        return AttentionMetadata(slot_mapping=torch.arange(row0 + start, row0 + total, device=self.device),
+                                 groups=(group,))
 
     def _group(self, seqs: list[Hashable], starts: list[int], query_lens: list[int], slots: list[torch.Tensor],
                rows: torch.Tensor | None) -> AttentionGroup:

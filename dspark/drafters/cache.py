@@ -27,6 +27,10 @@ class DrafterCache:
         self.kv[:, :, :, self.length:self.length + n] = kv.permute(1, 2, 3, 0, 4)
         self.length += n
 
+    def reserve(self, positions: int) -> None:
+        """Room for `positions` rows (a drafting round writes its block's keys and values after the context)."""
+        self._reserve(positions)
+
     def truncate(self, length: int) -> None:
         """Forget positions >= length (rolled-back or re-extended context)."""
         if not 0 <= length <= self.length:

@@ -203,10 +203,13 @@ class DSparkDrafter(Backbone):
         return self._runner
 
     def new_cache(self, capacity: int = 64) -> DrafterCache:
-        """An empty per-request context cache on the drafter's device and dtype."""
+        """An empty per-request context cache on the drafter's device, in its dtype, or in fp32 where it drafts on
+        dspark's kernels: their attention reads fp32 keys and values, and a round of one request then reads
+        them where they lie (DraftRunner.greedy_block) instead of a copy."""
         c = self.config
+        dtype = torch.float32 if self.runner()._native else self.fc.weight.dtype
         return DrafterCache(num_layers=c.num_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                            dtype=self.fc.weight.dtype, device=self.fc.weight.device, capacity=capacity)
+                            dtype=dtype, device=self.fc.weight.device, capacity=capacity)
 
     @torch.no_grad()
     def extend(self, cache: DrafterCache, target_hidden: torch.Tensor, start_pos: int) -> None:
@@ -245,11 +248,16 @@ class DSparkDrafter(Backbone):
                 raise ValueError(f"drafter cache holds {cache.length} positions but the anchor sits at {p}")
         device = self.fc.weight.device
         prev = torch.as_tensor(list(anchors), dtype=torch.long, device=device)
+        positions = torch.as_tensor(list(anchor_pos), dtype=torch.long, device=device)
         runner = self.runner()
-        h, base, conf_h = runner.block(caches, prev, torch.as_tensor(list(anchor_pos), dtype=torch.long,
-                                                                     device=device), g)
         params = _per_row(r, temperature, top_k, top_p)
-        if not return_logits and all(t <= 0 for t, _, _ in params):
+        greedy = not return_logits and all(t <= 0 for t, _, _ in params)
+        if greedy:  # the whole block and its picks in one kernel call where it runs
+            picked = runner.greedy_block(caches, prev, positions, g)
+            if picked is not None:
+                return DraftOutput(tokens=picked[0], probs=None, logits=None, conf_logits=picked[1])
+        h, base, conf_h = runner.block(caches, prev, positions, g)
+        if greedy:
             picked = runner.greedy_picks(prev, base, conf_h, self.d2t)
             if picked is not None:
                 return DraftOutput(tokens=picked[0], probs=None, logits=None, conf_logits=picked[1])

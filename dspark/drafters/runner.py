@@ -31,6 +31,7 @@ The training form (DSparkDrafter.forward_train) stays the reference this must ma
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -175,6 +176,50 @@ class DraftRunner:
             self._chain = (mh.markov_w1.weight.detach().to(torch.bfloat16).contiguous(),
                            native.markov_pack(native.library(), mh.markov_w2.weight),
                            None if w_tok is None else w_tok[0].to(torch.bfloat16).contiguous())
+        self._plan = self._block_plan()  # greedy_block()'s weights, or None where its one call does not run
+
+    def _block_plan(self) -> "native.DraftWeights | None":
+        """The fixed arguments of dspark_draft_block (csrc/draft_block.c) for greedy_block(), or None unless
+        every part of a greedy round runs on dspark's kernels here: the fused layers, the LM head (with the
+        confidence's hidden row) on the same kernel as the layers' projections, the vanilla Markov head's picks,
+        one RMSNorm eps, a bf16 embedding. The tensors it points into are kept in self._plan_refs."""
+        dr, c, head = self.drafter, self.drafter.config, self.head
+        if not (self._fused_layers and self._chain is not None):
+            return None
+        head_on_kernel = (isinstance(head, Int4Linear) and head._native if self._w4 else
+                          isinstance(head, Q8Linear) and head.vnni) and head.bias is None
+        if not (head_on_kernel and dr.embed_weight.dtype == torch.bfloat16 and dr.embed_weight.is_contiguous()):
+            return None
+        norms = [self.layers[0].input_norm, dr.norm] + [n for layer in self.layers for n in (layer.input_norm,
+                                                                                              layer.post_norm)]
+        q_norms = [n for layer in self.layers for n in (layer.q_norm, layer.k_norm) if n is not None]
+        if len({n.eps for n in norms}) != 1 or len({n.eps for n in q_norms}) > 1:
+            return None
+        refs, layer_ptrs = [], []
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else dr.norm
+            ws = [layer.post_norm._cached_weight(None), nxt._cached_weight(None), layer.qkv.packed, layer.o.packed,
+                  layer.gate_up.packed, layer.down.packed]
+            ws += [None, None] if layer.q_norm is None else [layer.q_norm._cached_weight(None),
+                                                              layer.k_norm._cached_weight(None)]
+            refs += [w for w in ws if w is not None]
+            layer_ptrs += [0 if w is None else w.data_ptr() for w in ws]
+        layers = torch.tensor(layer_ptrs, dtype=torch.int64)
+        w1, w2, w_tok = self._chain
+        ln_in = self.layers[0].input_norm._cached_weight(None)
+        refs += [layers, w1, w2, ln_in, dr.embed_weight, self.head.packed] + ([] if w_tok is None else [w_tok])
+        d2t = None if dr.d2t is None else dr.d2t.to(torch.int64).contiguous()
+        if d2t is not None:
+            refs.append(d2t)
+        self._plan_refs = refs
+        return native.DraftWeights(
+            embed=dr.embed_weight.data_ptr(), ln_in=ln_in.data_ptr(), layers=layers.data_ptr(),
+            head=self.head.packed.data_ptr(), w1=w1.data_ptr(), w2=w2.data_ptr(),
+            w_tok=None if w_tok is None else w_tok.data_ptr(), d2t=None if d2t is None else d2t.data_ptr(),
+            n_layers=len(self.layers), d=c.hidden_size, h=self.num_heads, hkv=self.kv_heads, hd=self.head_dim,
+            inter=self.layers[0].intermediate, vd=self.vd, head_rows=self.head._rows, rank=w1.shape[1],
+            mask_id=c.mask_token_id, eps=norms[0].eps, qk_eps=q_norms[0].eps if q_norms else 1e-6,
+            q_scale=self.head_dim ** -0.5, w4=int(self._w4))
 
     # ---- context ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -273,8 +318,9 @@ class DraftRunner:
         shape = (layers, 2, kvh, r, length + self.gamma, hd) if self._native else (layers, 2, r, kvh, length, hd)
         need = math.prod(shape)
         have = 0 if self._ctx_buf is None else self._ctx_buf.numel()
-        if have < need:
-            self._ctx_buf = ref.new_empty(max(need, 2 * have), dtype=torch.float32 if self._native else ref.dtype)
+        if have < need:  # (the caches may be fp32 where the drafter is not: DSparkDrafter.new_cache)
+            self._ctx_buf = ref.new_empty(max(need, 2 * have),
+                                          dtype=torch.float32 if self._native else self.drafter.fc.weight.dtype)
         ctx = self._ctx_buf[:need].view(shape)
         per_request = ctx.transpose(2, 3) if self._native else ctx  # [layers, 2, R, kvh, rows, hd]
         for i, c in enumerate(caches):
@@ -332,7 +378,7 @@ class DraftRunner:
                 None if layer.q_norm is None else layer.q_norm._cached_weight(None).data_ptr(),
                 None if layer.k_norm is None else layer.k_norm._cached_weight(None).data_ptr(),
                 1e-6 if layer.q_norm is None else layer.q_norm.eps, h, hkv, hd, inter, pos.data_ptr(),
-                cos.data_ptr(), sin.data_ptr(), hd ** -0.5, ctx[i].data_ptr(), ctx.shape[4], slots.data_ptr(),
+                cos.data_ptr(), sin.data_ptr(), hd ** -0.5, ctx[i].data_ptr(), ctx.shape[4], ctx.shape[4], slots.data_ptr(),
                 mask.data_ptr(), scratch.data_ptr(), q_buf.data_ptr(), xq.data_ptr(), e.data_ptr(), sx.data_ptr(),
                 int(self._w4), torch.get_num_threads())
             x, xn = x_out, xn_out
@@ -367,6 +413,38 @@ class DraftRunner:
         if self.conf is None:
             return out, None
         return out[..., :self.vd], out[..., self.vd].float() + self.conf.proj.bias.float()
+
+    @torch.no_grad()
+    def greedy_block(self, caches: Sequence[DrafterCache], anchors: torch.Tensor, anchor_pos: torch.Tensor,
+                     num_drafts: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """block() then greedy_picks() as one kernel call (csrc/draft_block.c: the same kernels in the same order,
+        so the same drafts): anchors, anchor_pos [R] -> (the first num_drafts greedy drafts [R, n] as target ids,
+        their confidence logits [R, n] fp32 or None); None where that call does not run (see _block_plan).
+        One request whose cache is fp32 (new_cache() on this route) is read where it lies, the block's keys
+        and values written after its context; several are copied side by side first (_context)."""
+        if self._plan is None or native.loaded() is None:
+            return None
+        r, g, dr = len(caches), self.gamma, self.drafter
+        if r and not 0 <= int(anchors.min()) <= int(anchors.max()) < dr.embed_weight.shape[0]:
+            raise ValueError(f"anchor ids must be in [0, {dr.embed_weight.shape[0]})")
+        if r == 1 and caches[0].kv.dtype == torch.float32:
+            caches[0].reserve(caches[0].length + g)
+            pool, ld = caches[0].kv, caches[0].capacity
+        else:
+            pool = self._context(caches)
+            ld = pool.shape[4]
+        anchor_pos = anchor_pos.to(torch.int64).contiguous()
+        cos, sin = dr.rotary.tables(anchor_pos + (g - 1))
+        lengths = torch.tensor([c.length for c in caches], dtype=torch.int64)
+        anchors = anchors.to(torch.int64).contiguous()
+        tokens = torch.empty(r, num_drafts, dtype=torch.int64)
+        conf = None if self.conf is None else torch.empty(r, num_drafts, dtype=torch.float32)
+        native.loaded().dspark_draft_block(
+            ctypes.byref(self._plan), anchors.data_ptr(), anchor_pos.data_ptr(), lengths.data_ptr(), r, g,
+            num_drafts, cos.data_ptr(), sin.data_ptr(), pool.data_ptr(), ld,
+            0.0 if self.conf is None else float(self.conf.proj.bias.float()), tokens.data_ptr(),
+            None if conf is None else conf.data_ptr(), torch.get_num_threads())
+        return tokens, conf
 
     def greedy_picks(self, anchors: torch.Tensor, base: torch.Tensor, conf: torch.Tensor | None,
                      d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:

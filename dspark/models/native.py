@@ -58,7 +58,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("int4_mm.c", "q8_mm.c", "q8_vnni_mm.c", "attention.c", "layer_ops.c",
-                                           "layer.c", "markov.c", "vocab_loss.c")]
+                                           "layer.c", "markov.c", "draft_block.c", "vocab_loss.c")]
 FLAGS = ["-O3", "-std=gnu11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp",
          "-fPIC", "-shared"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-DDSPARK_AMX"]  # left out where the compiler does not know them
@@ -85,10 +85,12 @@ SIGNATURES = {
     "dspark_layers": [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32,
                       _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT],
     "dspark_drafter_layer": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR,
-                             _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR,
+                             _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _PTR, _PTR,
+                             _PTR, _PTR,
                              _PTR, _PTR, _PTR, _INT, _INT],
     "dspark_drafter_context": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _I64, _I64, _I64, _PTR, _F32, _PTR,
                                _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT],
+    "dspark_draft_block": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _F32, _PTR, _PTR, _INT],
     "dspark_markov_pack": [_PTR, _I64, _I64, _PTR],
     "dspark_vocab_loss_fwd": [_PTR, _INT, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
     "dspark_vocab_loss_bwd": [_PTR, _INT, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
@@ -96,6 +98,14 @@ SIGNATURES = {
     "dspark_markov_greedy": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
                              _PTR, _INT],
 }
+
+class DraftWeights(ctypes.Structure):
+    """csrc/draft_block.c's struct draft_weights: a drafter's fixed arguments (drafters/runner.py builds it)."""
+
+    _fields_ = [(name, _PTR) for name in ("embed", "ln_in", "layers", "head", "w1", "w2", "w_tok", "d2t")] + [
+        (name, _I64) for name in ("n_layers", "d", "h", "hkv", "hd", "inter", "vd", "head_rows", "rank", "mask_id")] + [
+        (name, _F32) for name in ("eps", "qk_eps", "q_scale")] + [("w4", _I64)]
+
 
 _lib: ctypes.CDLL | None = None
 _tried = False

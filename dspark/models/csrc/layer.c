@@ -116,19 +116,19 @@ static void qk_norm_rows(uint16_t *qkv, int64_t t, int64_t h, int64_t hkv, int64
 /* One layer of the drafter's block pass (drafters/runner.py) for R requests of g slots (t = R g rows):
  * x [t, d] bf16 and xn, its input norm, -> x_out = the layer's output and xn_out = its norm by the next
  * norm's gains (the next layer's input norm, or the final norm). Projections are 8-bit VNNI weights
- * (q8.pack_for_vnni, no biases), or 4-bit ones (int4.pack_for_kernel) where w4; RoPE writes the block's keys and values into the pool [2 hkv, pool_rows,
- * hd] fp32 at slot[t] and attention reads request b's keys at rows b s_len .. b s_len + s_len - 1 of each
- * head, under mask [R, g, s_len]. wq, wk: the q / k norms' gains (qk_eps), or NULL without them. scratch: bf16 of t * (3 d + (h + 2 hkv + h) hd + 3 inter) elements, plus
+ * (q8.pack_for_vnni, no biases), or 4-bit ones (int4.pack_for_kernel) where w4; RoPE writes the block's keys and
+ * values into the pool [2 hkv, R ld, hd] fp32 at slot[t] and attention reads request b's keys at rows b ld ..
+ * b ld + s_len - 1 of each head (ld >= s_len: a request's rows in the pool), under mask [R, g, s_len]. wq, wk: the q / k norms' gains (qk_eps), or NULL without them. scratch: bf16 of t * (3 d + (h + 2 hkv + h) hd + 3 inter) elements, plus
  * xq (int8, t * max_k), e and sx (fp32, int32: t * max_k / 32) for the VNNI rows, max_k the widest input. */
 void dspark_drafter_layer(const uint16_t *x, const uint16_t *xn, uint16_t *x_out, uint16_t *xn_out, int64_t r_len,
                           int64_t g, int64_t d, const float *ln_post, const float *ln_next, float eps,
                           const uint8_t *w_qkv, const uint8_t *w_o, const uint8_t *w_gu, const uint8_t *w_down,
                           const float *wq, const float *wk, float qk_eps,
                           int64_t h, int64_t hkv, int64_t hd, int64_t inter, const int64_t *pos, const float *cos_t,
-                          const float *sin_t, float q_scale, float *pool, int64_t s_len, const int64_t *slot,
-                          const uint8_t *mask, uint16_t *scratch, float *q_buf, int8_t *xq, float *e, int32_t *sx,
-                          int w4, int threads) {
-    const int64_t t = r_len * g, nqkv = (h + 2 * hkv) * hd, natt = h * hd, pool_rows = r_len * s_len;
+                          const float *sin_t, float q_scale, float *pool, int64_t s_len, int64_t ld,
+                          const int64_t *slot, const uint8_t *mask, uint16_t *scratch, float *q_buf, int8_t *xq,
+                          float *e, int32_t *sx, int w4, int threads) {
+    const int64_t t = r_len * g, nqkv = (h + 2 * hkv) * hd, natt = h * hd, pool_rows = r_len * ld;
     uint16_t *qkv = scratch, *att = qkv + t * nqkv, *ho = att + t * natt, *xn2 = ho + t * d, *gu = xn2 + t * d,
              *act = gu + t * 2 * inter, *m = act + t * inter;
     uint16_t *x2 = x_out;  /* x + attention, then x_out = x2 + mlp in place */
@@ -136,7 +136,7 @@ void dspark_drafter_layer(const uint16_t *x, const uint16_t *xn, uint16_t *x_out
     if (wq)
         qk_norm_rows(qkv, t, h, hkv, hd, wq, wk, qk_eps);
     dspark_rope_store(qkv, pos, cos_t, sin_t, q_scale, t, h, hkv, hd, q_buf, pool, pool_rows, slot, threads);
-    dspark_attention(q_buf, g * natt, hd, natt, pool, pool + hkv * pool_rows * hd, pool_rows * hd, s_len * hd, mask, att,
+    dspark_attention(q_buf, g * natt, hd, natt, pool, pool + hkv * pool_rows * hd, pool_rows * hd, ld * hd, mask, att,
                      1, g * natt, hd, natt, r_len, h, hkv, g, s_len, hd, threads);
     drafter_proj(att, t, natt, w_o, d, ho, w4, xq, e, sx, threads);
     dspark_add_rmsnorm(ho, x, x2, ln_post, eps, xn2, t, d, threads);
