@@ -118,6 +118,11 @@ def test_rope_store_matches_apply_rotary_and_the_cache_write():
     torch.testing.assert_close(pool[:hkv, slots].transpose(0, 1), ref[:, h:h + hkv], rtol=1e-6, atol=1e-6)
     assert torch.equal(pool[hkv:, slots].transpose(0, 1), qkv[:, h + hkv:].float())
     assert pool[:, [1, 3]].abs().sum() == 0  # no other row written
+    pool16 = torch.zeros(2 * hkv, 12, hd, dtype=torch.bfloat16)  # a bf16 cache: keys rounded once, values as they are
+    assert torch.equal(native.rope_store(lib, qkv, pos, cos, sin, hd ** -0.5, h, hkv, pool16, slots), q)
+    assert torch.equal(pool16[:hkv, slots], pool[:hkv, slots].bfloat16())
+    assert torch.equal(pool16[hkv:, slots].transpose(0, 1), qkv[:, h + hkv:])
+    assert pool16[:, [1, 3]].abs().sum() == 0
 
 
 def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedded_dir, monkeypatch, matmul_path):
@@ -129,7 +134,7 @@ def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedd
     monkeypatch.setenv(native.ENV, "torch")
     ref = load_decoder(embedded_dir, dtype=torch.bfloat16, quantization="auto")
     monkeypatch.delenv(native.ENV)
-    assert "dspark kernel" in repr(dec.layers[0].self_attn.qkv_proj)
+    assert "dspark kernel" in repr(dec.layers[0].self_attn.qkv_proj) and dec.kv_dtype == torch.bfloat16
     assert "torch kernel" in repr(ref.layers[0].self_attn.qkv_proj)
     one = logits_by_chunks(dec, ids, [32] + [1] * 16)
     torch.testing.assert_close(one, logits_by_chunks(ref, ids, [32] + [1] * 16), rtol=0.05, atol=1.0)  # bf16 roundings through 30 layers

@@ -87,22 +87,26 @@ ATTENTION_ROUTES = [pytest.param(False, id="torch"),
                         native.library() is None, reason=f"dspark's kernels do not run here: {native.why()}"))]
 
 
-@pytest.mark.parametrize("kernels", ATTENTION_ROUTES)
+@pytest.mark.parametrize("kernels,kv_dtype", [(route, torch.float32) for route in ATTENTION_ROUTES] + [
+    pytest.param(True, torch.bfloat16, id="kernel-bf16-cache", marks=ATTENTION_ROUTES[1].marks)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
-def test_invariant_attention_rows_do_not_depend_on_the_window(heads, kv_heads, kernels):
+def test_invariant_attention_rows_do_not_depend_on_the_window(heads, kv_heads, kernels, kv_dtype):
     """A row's output is bit-identical alone or inside a window (MHA too, where one row would be a GEMV),
-    and equals the reference attention up to fp32 rounding."""
+    and equals the reference attention up to fp32 rounding; on the kernel also over a bf16 cache, which it
+    reads as the same values in fp32."""
     from dspark.models.attention import invariant_attention, sdpa_attention
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, 8, 16, generator=gen)
-    k, v = torch.randn(2, kv_heads, 1, 64, 16, generator=gen)  # the cache's [Hkv, B, S, hd]
+    k, v = torch.randn(2, kv_heads, 1, 64, 16, generator=gen).to(kv_dtype)  # the cache's [Hkv, B, S, hd]
     mask = torch.ones(1, 1, 8, 64, dtype=torch.bool).tril(40)
     full = invariant_attention(q, k, v, mask, kernels=kernels)
     for row in range(8):
         alone = invariant_attention(q[:, :, row:row + 1], k, v, mask[:, :, row:row + 1], kernels=kernels)
         assert torch.equal(alone, full[:, :, row:row + 1]), row
-    torch.testing.assert_close(full, sdpa_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full, sdpa_attention(q, k.float(), v.float(), mask), atol=1e-5, rtol=1e-5)
+    if kv_dtype == torch.bfloat16:  # the same bits as the fp32 kernel on the widened values
+        assert torch.equal(full, invariant_attention(q, k.float(), v.float(), mask, kernels=kernels))
 
 
 @pytest.mark.parametrize("kernels", ATTENTION_ROUTES)

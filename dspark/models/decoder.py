@@ -34,10 +34,11 @@ class KernelRope:
 
 
 def kv_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """The KV cache dtype: the model's, except fp32 under half-precision weights on a CPU. There the
-    attention kernel's bf16 rounding depends on how many queries and keys share a call, so a row of
-    a verify window would not match the same row decoded alone; in fp32 it does, which keeps
-    speculative decoding token-identical to plain decoding (tests/test_packing.py)."""
+    """The KV cache dtype where dspark's own attention does not read it (else bf16: Decoder.bf16_cache): the
+    model's, except fp32 under half-precision weights on a CPU. There PyTorch's attention rounds to bf16
+    depending on how many queries and keys share a call, so a row of a verify window would not match the same
+    row decoded alone; in fp32 it does, which keeps speculative decoding token-identical to plain decoding
+    (tests/test_packing.py)."""
     return torch.float32 if torch.device(device).type == "cpu" else dtype
 
 
@@ -140,15 +141,18 @@ class DecoderLayer(nn.Module):
         the same kernels in the same order, so the same bits); scratch and q_buf from Decoder.forward."""
         a, m, g = self.self_attn, self.mlp, meta.groups[0]
         out = torch.empty_like(x)
-        layer = native_avx2.loaded().dspark_avx2_layer if x.dtype == torch.float32 else native.loaded().dspark_layer
-        layer(
+        args = [
             x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.input_layernorm._cached_weight(None).data_ptr(),
             self.post_attention_layernorm._cached_weight(None).data_ptr(), self.input_layernorm.eps,
             a.qkv_proj.packed.data_ptr(), a.o_proj.packed.data_ptr(), m.gate_up.packed.data_ptr(),
             m.down.packed.data_ptr(), a.h, a.hkv, a.hd, m.intermediate, rope.positions.data_ptr(),
             rope.cos.data_ptr(), rope.sin.data_ptr(), rope.q_scale, kv_pool.data_ptr(), kv_pool.shape[1],
             meta.slot_mapping.data_ptr(), g.kv_start, g.mask.data_ptr(), g.mask.shape[-1], scratch.data_ptr(),
-            q_buf.data_ptr(), torch.get_num_threads())
+            q_buf.data_ptr()]
+        if x.dtype == torch.float32:  # fp32 rows: the AVX2 library's layer, on an fp32 cache
+            native_avx2.loaded().dspark_avx2_layer(*args, torch.get_num_threads())
+        else:
+            native.loaded().dspark_layer(*args, int(kv_pool.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
 
@@ -192,8 +196,15 @@ class Decoder(nn.Module):
         return name if self.lm_head_q8 is None else f"{name}+q8-head"
 
     @property
+    def bf16_cache(self) -> bool:
+        """Whether the KV cache is bf16: a bf16 model on a CPU whose RoPE, cache writes and attention all run on
+        dspark's kernels, which widen each key and value to fp32 as they read it and compute every row alone, so
+        a row stays the same whatever its window (half the bytes of an fp32 cache to read every step)."""
+        return self._kernel_rope and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+
+    @property
     def kv_dtype(self) -> torch.dtype:
-        return kv_cache_dtype(self.dtype, self.device)
+        return torch.bfloat16 if self.bf16_cache else kv_cache_dtype(self.dtype, self.device)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin per head for the fused qkv rows [T, H + 2 Hkv, hd], in the cache's dtype
@@ -243,7 +254,7 @@ class Decoder(nn.Module):
             rope.q_scale, kv.data_ptr(), kv.stride(0), kv.shape[2], meta.slot_mapping.data_ptr(), g.kv_start,
             g.mask.data_ptr(), g.mask.shape[-1], scratch.data_ptr(), q_buf.data_ptr(),
             taps.data_ptr() if hidden_layers else None, None if hidden is None else hidden.data_ptr(),
-            0 if hidden is None else hidden.shape[1], torch.get_num_threads())
+            0 if hidden is None else hidden.shape[1], int(kv.dtype == torch.bfloat16), torch.get_num_threads())
         return out, hidden
 
     def _layer_weights(self) -> tuple[torch.Tensor, float] | None:
@@ -273,17 +284,18 @@ class Decoder(nn.Module):
     def invariant(self) -> bool:
         """Whether a position's logits are the same bits in any window or batch, which is what keeps speculative
         verification token-identical to plain decoding: a CPU model in half precision (fp32 cache, window-invariant
-        attention) or with 4-bit layers (kernels that compute each row alone; attention as before). A dense fp32 model
-        is not: its matmuls' bits depend on the number of rows."""
-        return self.kv_dtype != self.dtype or self.quantization != "none"
+        attention, or a bf16 cache that dspark's kernels read) or with 4-bit layers (kernels that compute each row
+        alone; attention as before). A dense fp32 model is not: its matmuls' bits depend on the number of rows."""
+        return self.bf16_cache or self.kv_dtype != self.dtype or self.quantization != "none"
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, *, logits_rows: torch.Tensor | None = None,
                 hidden_layers: Sequence[int] = ()) -> DecoderOutput:
         """input_ids, positions: [T]; logits_rows: [R] indices into T (None = no logits)."""
         x = self.embed_tokens(input_ids)  # [T, d]
-        if x.device.type == "cpu" and self.kv_dtype == torch.float32 and (
-                (self._kernel_rope and x.dtype == torch.bfloat16) or (self._avx2_rope and x.dtype == torch.float32)):
+        if x.device.type == "cpu" and ((self._kernel_rope and x.dtype == torch.bfloat16 and self.kv_dtype in (
+                torch.float32, torch.bfloat16)) or (self._avx2_rope and x.dtype == torch.float32
+                                                    and self.kv_dtype == torch.float32)):
             rope = KernelRope(positions.to(torch.int64).contiguous(), *self.rotary.tables(positions),
                               self.config.head_dim ** -0.5)
         else:

@@ -74,16 +74,16 @@ SIGNATURES = {
     "dspark_q8_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT, _INT],
     "dspark_q8_vnni_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT, _PTR, _PTR, _PTR, _INT],
     "dspark_attention": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _I64,
-                         _I64, _I64, _I64, _I64, _I64, _I64, _INT],
+                         _I64, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
     "dspark_decode_attention_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                                      _I64, _F32, _INT],
     "dspark_add_rmsnorm": [_PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],
     "dspark_silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
-    "dspark_rope_store": [_PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT],
+    "dspark_rope_store": [_PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT, _INT],
     "dspark_layer": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
-                     _PTR, _PTR, _F32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT],
+                     _PTR, _PTR, _F32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT, _INT],
     "dspark_layers": [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32,
-                      _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT],
+                      _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT],
     "dspark_drafter_layer": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR,
                              _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _PTR, _PTR,
                              _PTR, _PTR,
@@ -281,12 +281,13 @@ def silu_mul(lib, gate_up: torch.Tensor) -> torch.Tensor:
 def rope_store(lib, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                q_scale: float, heads: int, kv_heads: int, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """RoPE on the fused qkv rows [T, H + 2 Hkv, hd] bf16; keys and values written to the layer's pool
-    [2 Hkv, rows, hd] fp32 at `slots` [T] int64; returns q [T, H, hd] fp32 (scaled by q_scale). cos and
+    [2 Hkv, rows, hd] (fp32, or bf16: keys rounded once) at `slots` [T] int64; returns q [T, H, hd] fp32 (scaled by q_scale). cos and
     signed sin: fp32 tables [positions, hd] covering `positions` [T] int64."""
     t, _, hd = qkv.shape
     q = torch.empty(t, heads, hd, dtype=torch.float32)
     lib.dspark_rope_store(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_scale, t, heads,
-                          kv_heads, hd, q.data_ptr(), pool.data_ptr(), pool.shape[1], slots.data_ptr(), _threads())
+                          kv_heads, hd, q.data_ptr(), pool.data_ptr(), pool.shape[1], slots.data_ptr(),
+                          int(pool.dtype == torch.bfloat16), _threads())
     return q
 
 
@@ -327,7 +328,7 @@ def markov_greedy(lib, anchors: torch.Tensor, base: torch.Tensor, w1: torch.Tens
 
 def attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q [B, H, Q, hd] fp32 (any strides with a unit last one), k / v [Hkv, B, S, hd] fp32 with rows of hd
+    """q [B, H, Q, hd] fp32 (any strides with a unit last one), k / v [Hkv, B, S, hd] fp32 or bf16 with rows of hd
     consecutive floats, mask [B, 1, Q, S] bool -> [B, H, Q, hd] in out_dtype (fp32 or bf16), whose
     memory is laid out [B, Q, H, hd]: the layout the output projection reads next."""
     b, h, nq, hd = q.shape
@@ -337,7 +338,8 @@ def attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     out = torch.empty(b, nq, h, hd, dtype=out_dtype)
     lib.dspark_attention(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), v.data_ptr(),
                          k.stride(0), k.stride(1), mask.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
-                         out.stride(0), out.stride(2), out.stride(1), b, h, k.shape[0], nq, k.shape[2], hd, _threads())
+                         out.stride(0), out.stride(2), out.stride(1), b, h, k.shape[0], nq, k.shape[2], hd,
+                         int(k.dtype == torch.bfloat16), _threads())
     return out.transpose(1, 2)
 
 
@@ -359,8 +361,8 @@ def decode_attention_bf16(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether attention() takes these shapes and layouts."""
     hd = q.shape[-1]
-    return (q.dtype == k.dtype == torch.float32 and hd % 16 == 0 and hd <= 256 and k.stride(-1) == 1
-            and k.stride(-2) == hd and q.device.type == "cpu")
+    return (q.dtype == torch.float32 and k.dtype in (torch.float32, torch.bfloat16) and hd % 16 == 0 and hd <= 256
+            and k.stride(-1) == 1 and k.stride(-2) == hd and q.device.type == "cpu")
 
 
 def vocab_loss_forward(lib, logits: torch.Tensor, pt: torch.Tensor, pt_rows: torch.Tensor, labels: torch.Tensor,

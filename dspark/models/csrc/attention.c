@@ -6,6 +6,8 @@
  * fixed polynomial form, and probs @ values summed in key order. A key the row may not see contributes nothing (not even a rounding), so the result is the
  * same however far S is padded and however many queries share the call: what keeps a verify window's
  * rows bit-identical to the same positions decoded one at a time. A row that may see no key gets zeros.
+ * Keys and values are fp32, or bf16 (kv16: the target's cache, half the bytes to read; each is widened to
+ * fp32 exactly as it is loaded, so the arithmetic is the same).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -17,6 +19,11 @@ static inline void store_row(void *out, int64_t j, __m512 x, int bf16) {
         bf16_store((uint16_t *)out + 16 * j, x);
     else
         _mm512_storeu_ps((float *)out + 16 * j, x);
+}
+
+/* 16 keys' or values' elements at index i of k: fp32, or bf16 widened exactly (kv16, a constant where it matters) */
+static inline __attribute__((always_inline)) __m512 kv_load(const void *k, int64_t i, const int kv16) {
+    return kv16 ? bf16_load((const uint16_t *)k + i) : _mm512_loadu_ps((const float *)k + i);
 }
 
 /* 16 vectors of lane-wise partial sums, one key each, -> the 16 keys' sums in one vector (in the order
@@ -60,9 +67,9 @@ static inline __mmask16 live_keys(const uint8_t *mask, int64_t s0, int64_t n) {
  * (groups the row may not see at all are skipped), and the reciprocal of their sum; returns 0 where the
  * row sees no key (a padding row, whose output is zeros). nv = hd / 16 is a constant where the callers
  * know it (hd 64 and 128), so that the row's query vectors stay in registers. */
-static inline __attribute__((always_inline)) int row_probs(const float *q, const float *k, const uint8_t *mask,
+static inline __attribute__((always_inline)) int row_probs(const float *q, const void *k, const uint8_t *mask,
                                                            int64_t s_len, const int64_t nv, float *sc, __m512i order,
-                                                           float *inv) {
+                                                           float *inv, const int kv16) {
     const int64_t hd = nv * 16;
     __m512 qv[16];
     for (int64_t j = 0; j < nv; j++)
@@ -79,10 +86,10 @@ static inline __attribute__((always_inline)) int row_probs(const float *q, const
                 acc[i] = _mm512_setzero_ps();
                 continue;
             }
-            const float *ks = k + (s0 + i) * hd;
-            acc[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(ks));
+            const int64_t ks = (s0 + i) * hd;
+            acc[i] = _mm512_mul_ps(qv[0], kv_load(k, ks, kv16));
             for (int64_t j = 1; j < nv; j++)
-                acc[i] = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(ks + 16 * j), acc[i]);
+                acc[i] = _mm512_fmadd_ps(qv[j], kv_load(k, ks + 16 * j, kv16), acc[i]);
         }
         const __m512 dots = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
                                                _mm512_permutexvar_ps(order, sum16(acc)));
@@ -113,24 +120,23 @@ static inline __attribute__((always_inline)) int row_probs(const float *q, const
  * took ~16% of an 8-token step). Each row's sums are its own, over the keys in order, masked keys skipped,
  * as for a row alone: the same bits whatever R. nv and R are constants (R * nv <= 16 vectors of sums) where
  * attend_head tiles; other head sizes come one row at a time with a run-time nv. */
-static inline __attribute__((always_inline)) void attend_rows(const float *q, int64_t qsq, const float *k,
-                                                              const float *v, const uint8_t *mask, int64_t s_len,
+static inline __attribute__((always_inline)) void attend_rows(const float *q, int64_t qsq, const void *k,
+                                                              const void *v, const uint8_t *mask, int64_t s_len,
                                                               const int64_t nv, const int R, void *out, int64_t osq,
-                                                              int bf16, float *sc, __m512i order) {
+                                                              int bf16, float *sc, __m512i order, const int kv16) {
     const int64_t hd = nv * 16, ld = s_len + 16;
     float inv[4];
     int seen[4];  /* o: up to 16 vectors a row for any head_dim (kept in registers where R * nv <= 16) */
     for (int r = 0; r < R; r++)
-        seen[r] = row_probs(q + r * qsq, k, mask + r * s_len, s_len, nv, sc + r * ld, order, &inv[r]);
+        seen[r] = row_probs(q + r * qsq, k, mask + r * s_len, s_len, nv, sc + r * ld, order, &inv[r], kv16);
     __m512 o[4][16];
     for (int r = 0; r < R; r++)
         for (int64_t j = 0; j < nv; j++)
             o[r][j] = _mm512_setzero_ps();
     for (int64_t s = 0; s < s_len; s++) {
-        const float *vs = v + s * hd;
         __m512 vv[16];
         for (int64_t j = 0; j < nv; j++)
-            vv[j] = _mm512_loadu_ps(vs + 16 * j);
+            vv[j] = kv_load(v, s * hd + 16 * j, kv16);
         for (int r = 0; r < R; r++) {
             if (!seen[r] || !mask[r * s_len + s])
                 continue;
@@ -149,15 +155,16 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, in
 
 /* The q_len rows of one (sequence, head) (strides as in attend_rows): hd 64 in tiles of 4, 2 and 1 rows,
  * hd 128 in tiles of 2 and 1, other head sizes a row at a time. */
-static void attend_head(const float *q, int64_t qsq, const float *k, const float *v, const uint8_t *mask,
-                        int64_t s_len, int64_t hd, void *out, int64_t osq, int bf16, int64_t q_len, float *sc,
-                        __m512i order) {
+static inline __attribute__((always_inline)) void attend_head(const float *q, int64_t qsq, const void *k,
+                                                              const void *v, const uint8_t *mask, int64_t s_len,
+                                                              int64_t hd, void *out, int64_t osq, int bf16,
+                                                              int64_t q_len, float *sc, __m512i order, const int kv16) {
     const int64_t ob = bf16 ? 2 : 4;
     int64_t i = 0;
 #define TILE(NV, R)                                                                                       \
     for (; i + (R) <= q_len; i += (R))                                                                    \
         attend_rows(q + i * qsq, qsq, k, v, mask + i * s_len, s_len, NV, R, (char *)out + i * osq * ob, osq, bf16, \
-                    sc, order)
+                    sc, order, kv16)
     if (hd == 64) {
         TILE(4, 4);
         TILE(4, 2);
@@ -169,16 +176,17 @@ static void attend_head(const float *q, int64_t qsq, const float *k, const float
 #undef TILE
     for (; i < q_len; i++)
         attend_rows(q + i * qsq, qsq, k, v, mask + i * s_len, s_len, hd / 16, 1, (char *)out + i * osq * ob, osq,
-                    bf16, sc, order);
+                    bf16, sc, order, kv16);
 }
 
 /* Row (b, h, i) of q at q + b * qsb + h * qsh + i * qsq (scaled by 1/sqrt(hd)), written to out at
- * b * osb + h * osh + i * osq (elements; fp32, or bf16 with out_bf16); keys / values of kv head j of sequence b at k / v + j * kvsh + b * kvsb,
- * S rows of hd floats each; mask [B, Q, S] bool. hd a multiple of 16, at most 256; H a multiple of Hkv. */
-void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, const float *k, const float *v,
+ * b * osb + h * osh + i * osq (elements; fp32, or bf16 with out_bf16); keys / values of kv head j of sequence b at
+ * k / v + j * kvsh + b * kvsb (elements), S rows of hd each, fp32 or bf16 (kv_bf16); mask [B, Q, S] bool. hd a
+ * multiple of 16, at most 256; H a multiple of Hkv. */
+void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, const void *k, const void *v,
                       int64_t kvsh, int64_t kvsb, const uint8_t *mask, void *out, int out_bf16, int64_t osb,
                       int64_t osh, int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len,
-                      int64_t hd, int threads) {
+                      int64_t hd, int kv_bf16, int threads) {
     const int64_t group = h_len / hkv;
     const __m512i order = key_order();
 #pragma omp parallel num_threads(threads)
@@ -187,9 +195,15 @@ void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, con
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < b_len * h_len; bh++) {
             const int64_t b = bh / h_len, h = bh % h_len;
-            const int64_t kv_off = (h / group) * kvsh + b * kvsb;
-            attend_head(q + b * qsb + h * qsh, qsq, k + kv_off, v + kv_off, mask + b * q_len * s_len, s_len, hd,
-                        (char *)out + (b * osb + h * osh) * (out_bf16 ? 2 : 4), osq, out_bf16, q_len, sc, order);
+            const int64_t kv_off = ((h / group) * kvsh + b * kvsb) * (kv_bf16 ? 2 : 4);  /* bytes */
+            const char *kh = (const char *)k + kv_off, *vh = (const char *)v + kv_off;
+            const float *qh = q + b * qsb + h * qsh;
+            const uint8_t *mh = mask + b * q_len * s_len;
+            void *oh = (char *)out + (b * osb + h * osh) * (out_bf16 ? 2 : 4);
+            if (kv_bf16)
+                attend_head(qh, qsq, kh, vh, mh, s_len, hd, oh, osq, out_bf16, q_len, sc, order, 1);
+            else
+                attend_head(qh, qsq, kh, vh, mh, s_len, hd, oh, osq, out_bf16, q_len, sc, order, 0);
         }
         free(sc);
     }

@@ -7,6 +7,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <string.h>
+
 #include "simd.h"
 
 /* 1 where this CPU runs every kernel of the library (AVX-512 F / BW / BF16) */
@@ -84,28 +86,39 @@ void dspark_silu_mul(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t n,
 /* The fused qkv rows [T, H + 2 Hkv, hd] bf16 after the projection: q and k rotated (rotate-half RoPE:
  * x * cos + swap_halves(x) * signed_sin, tables [positions, hd] fp32 indexed by pos[t]) and q scaled
  * by q_scale, all in fp32; q goes to q_out [T, H, hd], k and v to the layer's cache pool
- * [2 Hkv, pool_rows, hd] fp32 at row slot[t] of each head. hd a multiple of 32. */
+ * [2 Hkv, pool_rows, hd] at row slot[t] of each head: fp32, or bf16 with pool_bf16 (keys rounded once,
+ * values as they come). hd a multiple of 32. */
 void dspark_rope_store(const uint16_t *qkv, const int64_t *pos, const float *cos_t, const float *sin_t,
                        float q_scale, int64_t t_len, int64_t h, int64_t hkv, int64_t hd, float *q_out,
-                       float *pool, int64_t pool_rows, const int64_t *slot, int threads) {
+                       void *pool, int64_t pool_rows, const int64_t *slot, int pool_bf16, int threads) {
     const int64_t heads = h + 2 * hkv, half = hd / 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (t_len * heads * hd >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < t_len; t++) {
         const float *c = cos_t + pos[t] * hd, *s = sin_t + pos[t] * hd;
         for (int64_t i = 0; i < heads; i++) {
             const uint16_t *x = qkv + (t * heads + i) * hd;
-            float *dst = i < h ? q_out + (t * h + i) * hd : pool + ((i - h) * pool_rows + slot[t]) * hd;
-            if (i >= h + hkv) { /* values: cast only */
-                for (int64_t j = 0; j < hd; j += 16)
-                    _mm512_storeu_ps(dst + j, bf16_load(x + j));
+            const int64_t row = i < h ? (t * h + i) * hd : ((i - h) * pool_rows + slot[t]) * hd;
+            const int to16 = i >= h && pool_bf16;  /* a key or value into a bf16 pool */
+            float *dst = i < h ? q_out + row : (float *)pool + row;
+            uint16_t *dst16 = (uint16_t *)pool + row;
+            if (i >= h + hkv) { /* values: as they are (bf16), or widened to fp32 */
+                if (to16)
+                    memcpy(dst16, x, sizeof(uint16_t) * (size_t)hd);
+                else
+                    for (int64_t j = 0; j < hd; j += 16)
+                        _mm512_storeu_ps(dst + j, bf16_load(x + j));
                 continue;
             }
             const __m512 sc = _mm512_set1_ps(i < h ? q_scale : 1.0f);
             for (int64_t j = 0; j < hd; j += 16) {
                 const int64_t other = j < half ? j + half : j - half;
-                __m512 y = _mm512_fmadd_ps(bf16_load(x + other), _mm512_loadu_ps(s + j),
-                                           _mm512_mul_ps(bf16_load(x + j), _mm512_loadu_ps(c + j)));
-                _mm512_storeu_ps(dst + j, _mm512_mul_ps(y, sc));
+                const __m512 y = _mm512_mul_ps(_mm512_fmadd_ps(bf16_load(x + other), _mm512_loadu_ps(s + j),
+                                                               _mm512_mul_ps(bf16_load(x + j), _mm512_loadu_ps(c + j))),
+                                               sc);
+                if (to16)  /* a key: rounded once, to nearest even */
+                    bf16_store(dst16 + j, y);
+                else
+                    _mm512_storeu_ps(dst + j, y);
             }
         }
     }
