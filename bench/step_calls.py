@@ -1,8 +1,8 @@
 """What the Python around dspark's kernels costs at batch 1, each pair interleaved step by step in one process:
-- a target step with every layer in one kernel call (the default where dspark's AVX-512 kernels run,
-  csrc/layer.c dspark_layers) against one call per layer (each layer fused, as before); windows of --tokens
-  tokens after --context cached ones, the wider ones tapping the shipped drafter's five hidden layers as a
-  DSpark verify pass does;
+- a target step in one kernel call (the default where dspark's AVX-512 kernels run, csrc/step.c: the
+  embedding, every layer, the final norm and the LM head) against a call per layer (each layer fused, as
+  before) with the embedding, norm and head from Python; windows of --tokens tokens after --context cached
+  ones, the wider ones tapping the shipped drafter's five hidden layers as a DSpark verify pass does;
 - a DSpark drafting round of the shipped drafter, timed right after a target step as the planner prices it
   (feeding 2 positions, then a whole block), with the block and its greedy picks in one kernel call
   (csrc/draft_block.c, the default) against the calls one by one, for --draft-sizes requests.

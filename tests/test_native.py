@@ -140,15 +140,27 @@ def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedd
     torch.testing.assert_close(one, logits_by_chunks(ref, ids, [32] + [1] * 16), rtol=0.05, atol=1.0)  # bf16 roundings through 30 layers
     assert (one.argmax(-1) == logits_by_chunks(ref, ids, [32] + [1] * 16).argmax(-1)).float().mean() >= 0.9
     assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
-    assert dec._fused  # one sequence: every layer ran fused (csrc/layer.c), all of them in one call ...
+    assert dec._fused  # one sequence: every layer ran fused (csrc/layer.c), the whole step in one call ...
     hidden = _hidden_of_a_window(dec, ids, (28, 1, 8))
-    assert dec._weights  # (dspark_layers ran)
+    assert dec._weights  # (dspark_step ran)
     dec._weights = False  # ... with the same bits, taps included, as one call per layer ...
     assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
     assert torch.equal(_hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
     dec._fused = False  # ... and as the layer-by-layer path that batches take
     assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
     assert torch.equal(_hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
+
+
+def test_the_one_call_step_refuses_ids_outside_the_vocabulary(embedded_dir):
+    """csrc/step.c reads embedding rows by id: an id outside the vocabulary is an IndexError, as the embedding
+    module's would be, and nothing is read past the table."""
+    dec = load_decoder(embedded_dir, dtype=torch.bfloat16, quantization="auto")
+    cache = dec.new_cache(4)
+    cache.reserve("s", 2)
+    with torch.inference_mode(), pytest.raises(IndexError, match="token ids"):
+        dec(torch.tensor([5, dec.config.vocab_size]), torch.arange(2), cache, cache.prepare(["s"], [2]),
+            logits_rows=torch.arange(2))
+    assert dec._weights  # the step itself refused them
 
 
 def _hidden_of_a_window(dec, ids, layers):

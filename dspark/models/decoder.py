@@ -178,7 +178,7 @@ class Decoder(nn.Module):
         self._fused: bool | None = None  # every layer runs as one kernel call for one sequence (set on first use)
         self._weights: tuple[torch.Tensor, float] | bool | None = None  # see _layer_weights (built on first use)
         self._weight_refs: list[torch.Tensor] = []  # the tensors whose addresses _weights holds
-        self._taps: dict[tuple[int, ...], torch.Tensor] = {}  # hidden_layers -> dspark_layers' taps
+        self._taps: dict[tuple[int, ...], torch.Tensor] = {}  # hidden_layers -> dspark_step's taps
 
     @property
     def dtype(self) -> torch.dtype:
@@ -232,33 +232,60 @@ class Decoder(nn.Module):
             self._fused = all(layer.fusable() for layer in self.layers)
         return self._fused
 
-    def _layers_in_one_call(self, x: torch.Tensor, rope: KernelRope, cache: KVCache, meta: AttentionMetadata,
-                            scratch: torch.Tensor, q_buf: torch.Tensor,
-                            hidden_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fused layers of one sequence's step as one kernel call (csrc/layer.c, dspark_layers): the same bits
-        as DecoderLayer.forward_fused layer by layer, without the Python of ~30 calls. -> (the last layer's output,
-        the hidden_layers' outputs side by side [T, m * d], or None without any)."""
-        c, t, g = self.config, x.shape[0], meta.groups[0]
-        pointers, eps = self._layer_weights()
+    def _step_in_one_call(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                          meta: AttentionMetadata, logits_rows: torch.Tensor | None,
+                          hidden_layers: tuple[int, ...]) -> DecoderOutput | None:
+        """forward() for one sequence as one kernel call (csrc/step.c: the embedding, every layer, the final norm
+        and the 8-bit LM head, the same kernels as the calls one by one, so the same bits), or None where that
+        call does not run: bf16 rows on dspark's kernels, every layer fused (DecoderLayer.forward_fused), one
+        sequence reading consecutive cache rows, no layer tapped twice. Any other LM head runs after it here."""
+        c, w = self.config, self.embed_tokens.weight
+        if not (self._kernel_rope and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
+                and self._one_sequence(meta) and len(set(hidden_layers)) == len(hidden_layers)):
+            return None
+        weights = self._layer_weights()
+        if weights is None:
+            return None
+        pointers, eps = weights
+        t, g, d, kv, a = input_ids.shape[0], meta.groups[0], c.hidden_size, cache.kv, self.layers[0].self_attn
         taps = self._taps.get(hidden_layers)
         if taps is None:
             taps = torch.full((len(self.layers),), -1, dtype=torch.int64)
             for j, i in enumerate(hidden_layers):
-                taps[i] = j * c.hidden_size
+                taps[i] = j * d
             taps = self._taps[hidden_layers] = taps
-        hidden = x.new_empty(t, len(hidden_layers) * c.hidden_size) if hidden_layers else None
-        out, tmp, a, kv = torch.empty_like(x), torch.empty_like(x), self.layers[0].self_attn, cache.kv
-        native.loaded().dspark_layers(
-            x.data_ptr(), out.data_ptr(), tmp.data_ptr(), len(self.layers), pointers.data_ptr(), t, c.hidden_size, eps,
-            a.h, a.hkv, a.hd, c.intermediate_size, rope.positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
-            rope.q_scale, kv.data_ptr(), kv.stride(0), kv.shape[2], meta.slot_mapping.data_ptr(), g.kv_start,
-            g.mask.data_ptr(), g.mask.shape[-1], scratch.data_ptr(), q_buf.data_ptr(),
+        hidden = w.new_empty(t, len(hidden_layers) * d) if hidden_layers else None
+        head = self.lm_head_q8
+        on_kernel = head is not None and not head.avx2 and head.bias is None
+        rows = None if logits_rows is None else logits_rows.to(torch.int64).contiguous()
+        n = 0 if rows is None else rows.shape[0]
+        logits = torch.empty(n, head._rows, dtype=torch.float32) if n and on_kernel else None
+        x_out = w.new_empty(t, d) if n and not on_kernel else None
+        ids, pos = input_ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        cos, sin = self.rotary.tables(pos)
+        status = native.loaded().dspark_step(
+            ids.data_ptr(), w.data_ptr(), w.shape[0], t, len(self.layers), pointers.data_ptr(), d, eps, a.h, a.hkv,
+            a.hd, c.intermediate_size, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), a.hd ** -0.5, kv.data_ptr(),
+            kv.stride(0), kv.shape[2], meta.slot_mapping.data_ptr(), g.kv_start, g.mask.data_ptr(), g.mask.shape[-1],
             taps.data_ptr() if hidden_layers else None, None if hidden is None else hidden.data_ptr(),
-            0 if hidden is None else hidden.shape[1], int(kv.dtype == torch.bfloat16), torch.get_num_threads())
-        return out, hidden
+            0 if hidden is None else hidden.shape[1], int(kv.dtype == torch.bfloat16),
+            None if x_out is None else x_out.data_ptr(), self.norm._cached_weight(None).data_ptr(), self.norm.eps,
+            head.packed.data_ptr() if logits is not None else None, head._rows if logits is not None else 0,
+            int(logits is not None and head.vnni), None if rows is None else rows.data_ptr(),
+            n if logits is not None else 0, None if logits is None else logits.data_ptr(), torch.get_num_threads())
+        if status:
+            raise IndexError(f"token ids must be in [0, {w.shape[0]})" if status == -1 else "logits rows out of range")
+        if x_out is not None:  # an LM head the step does not run
+            h = self.norm(x_out.index_select(0, rows))
+            logits = self.lm_head(h).float() if head is None else head(h)
+        elif logits is not None and head._rows != head.out_features:
+            logits = logits[:, :head.out_features]
+        elif rows is not None and not n:
+            logits = torch.empty(0, c.vocab_size)
+        return DecoderOutput(logits=logits, hidden=hidden)
 
     def _layer_weights(self) -> tuple[torch.Tensor, float] | None:
-        """(every layer's weights for dspark_layers: [layers * 6] int64 addresses of its two norm gains in fp32
+        """(every layer's weights for dspark_step: [layers * 6] int64 addresses of its two norm gains in fp32
         and its packed qkv, o, gate_up and down; the norms' eps), or None where the norms' eps differ (then the
         layers are called one by one). Built once, on the first fused step, from the weights as they are then (a
         served model's never change); the tensors stay referenced here."""
@@ -292,6 +319,10 @@ class Decoder(nn.Module):
                 meta: AttentionMetadata, *, logits_rows: torch.Tensor | None = None,
                 hidden_layers: Sequence[int] = ()) -> DecoderOutput:
         """input_ids, positions: [T]; logits_rows: [R] indices into T (None = no logits)."""
+        if input_ids.device.type == "cpu":
+            out = self._step_in_one_call(input_ids, positions, cache, meta, logits_rows, tuple(hidden_layers))
+            if out is not None:
+                return out
         x = self.embed_tokens(input_ids)  # [T, d]
         if x.device.type == "cpu" and ((self._kernel_rope and x.dtype == torch.bfloat16 and self.kv_dtype in (
                 torch.float32, torch.bfloat16)) or (self._avx2_rope and x.dtype == torch.float32
@@ -302,27 +333,23 @@ class Decoder(nn.Module):
             rope = self.rope_tables(positions)
         wanted = set(hidden_layers)
         taps = {}
-        hidden = None
         if isinstance(rope, KernelRope) and self._one_sequence(meta) and x.is_contiguous():
             c, t = self.config, x.shape[0]
             scratch = x.new_empty(t * (5 * c.hidden_size + (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim
                                        + 3 * c.intermediate_size))
             q_buf = torch.empty(t * c.num_heads * c.head_dim, dtype=torch.float32)
-            if x.dtype == torch.bfloat16 and len(wanted) == len(hidden_layers) and self._layer_weights() is not None:
-                x, hidden = self._layers_in_one_call(x, rope, cache, meta, scratch, q_buf, tuple(hidden_layers))
-            else:  # fp32 rows (the AVX2 library), or a layer tapped twice
-                for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
-                    x = layer.forward_fused(x, rope, pool, meta, scratch, q_buf)
-                    if i in wanted:
-                        taps[i] = x
+            # where _step_in_one_call does not run: fp32 rows (the AVX2 library), a layer tapped twice
+            for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
+                x = layer.forward_fused(x, rope, pool, meta, scratch, q_buf)
+                if i in wanted:
+                    taps[i] = x
         else:
             # hot loop: .forward() skips nn.Module.__call__'s hook handling (a few us a call, ~150 calls a step)
             for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
                 x = layer.forward(x, rope, pool, meta)
                 if i in wanted:
                     taps[i] = x
-        if hidden_layers and hidden is None:
-            hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1)
+        hidden = torch.cat([taps[i] for i in hidden_layers], dim=-1) if hidden_layers else None
         logits = None
         if logits_rows is not None:
             h = self.norm(x.index_select(0, logits_rows))

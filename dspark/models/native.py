@@ -26,6 +26,7 @@
   order, so the same bits): at batch 1 the Python between ~10 kernel calls a layer cost as much as they did.
   Then every layer of such a step in one call (dspark_layers): the Python of 30 layer calls still cost ~1 ms
   of a ~5.4 ms one-token step, the other core waiting for it (4.3 ms after).
+- `step.c`: that step whole, the embedding before the layers and the final norm and 8-bit LM head after them.
   Likewise one call per layer of the drafter's block pass, and one for its context projection.
 - `markov.c`: greedy drafting through DSpark's vanilla Markov head, every position of every request's block
   in one call (in PyTorch, ~8 ops and a 16k-row product per position, sequential by construction); a
@@ -58,7 +59,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("int4_mm.c", "q8_mm.c", "q8_vnni_mm.c", "attention.c", "layer_ops.c",
-                                           "layer.c", "markov.c", "draft_block.c", "vocab_loss.c")]
+                                           "layer.c", "step.c", "markov.c", "draft_block.c", "vocab_loss.c")]
 FLAGS = ["-O3", "-std=gnu11", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp",
          "-fPIC", "-shared"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-DDSPARK_AMX"]  # left out where the compiler does not know them
@@ -82,8 +83,9 @@ SIGNATURES = {
     "dspark_rope_store": [_PTR, _PTR, _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT, _INT],
     "dspark_layer": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
                      _PTR, _PTR, _F32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT, _INT],
-    "dspark_layers": [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32,
-                      _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT],
+    "dspark_step": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR,
+                    _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _PTR, _PTR, _F32, _PTR, _I64, _INT, _PTR,
+                    _I64, _PTR, _INT],
     "dspark_drafter_layer": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR,
                              _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _PTR, _PTR,
                              _PTR, _PTR,
@@ -98,6 +100,9 @@ SIGNATURES = {
     "dspark_markov_greedy": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
                              _PTR, _INT],
 }
+
+RETURNS = {"dspark_step": _INT}  # the functions that return a status (the others return nothing)
+
 
 class DraftWeights(ctypes.Structure):
     """csrc/draft_block.c's struct draft_weights: a drafter's fixed arguments (drafters/runner.py builds it)."""
@@ -185,7 +190,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))  # after torch: its libgomp (same soname) serves this library too
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = RETURNS.get(name)
     lib.dspark_amx_init.argtypes = [_INT]
     lib.dspark_act8_init.argtypes = [_INT]
     return lib
