@@ -187,23 +187,27 @@ void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, con
                       int64_t kvsh, int64_t kvsb, const uint8_t *mask, void *out, int out_bf16, int64_t osb,
                       int64_t osh, int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len,
                       int64_t hd, int kv_bf16, int threads) {
-    const int64_t group = h_len / hkv;
+    const int64_t group = h_len / hkv, ob = out_bf16 ? 2 : 4;
+    /* work items: a (sequence, head)'s query rows in tiles of attend_head's widest (4 rows at hd 64), so that a
+     * verify window's rows spread over the threads evenly (9 heads of 8 rows: 18 items, not 5 heads against 4) */
+    const int64_t tile = hd == 64 ? 4 : hd == 128 ? 2 : 1, tiles = (q_len + tile - 1) / tile;
     const __m512i order = key_order();
 #pragma omp parallel num_threads(threads)
     {
         float *sc = (float *)malloc(sizeof(float) * (size_t)(4 * (s_len + 16)));
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < b_len * h_len; bh++) {
-            const int64_t b = bh / h_len, h = bh % h_len;
+        for (int64_t item = 0; item < b_len * h_len * tiles; item++) {
+            const int64_t bh = item / tiles, b = bh / h_len, h = bh % h_len, i0 = item % tiles * tile;
+            const int64_t rows = q_len - i0 < tile ? q_len - i0 : tile;
             const int64_t kv_off = ((h / group) * kvsh + b * kvsb) * (kv_bf16 ? 2 : 4);  /* bytes */
             const char *kh = (const char *)k + kv_off, *vh = (const char *)v + kv_off;
-            const float *qh = q + b * qsb + h * qsh;
-            const uint8_t *mh = mask + b * q_len * s_len;
-            void *oh = (char *)out + (b * osb + h * osh) * (out_bf16 ? 2 : 4);
+            const float *qh = q + b * qsb + h * qsh + i0 * qsq;
+            const uint8_t *mh = mask + (b * q_len + i0) * s_len;
+            void *oh = (char *)out + (b * osb + h * osh + i0 * osq) * ob;
             if (kv_bf16)
-                attend_head(qh, qsq, kh, vh, mh, s_len, hd, oh, osq, out_bf16, q_len, sc, order, 1);
+                attend_head(qh, qsq, kh, vh, mh, s_len, hd, oh, osq, out_bf16, rows, sc, order, 1);
             else
-                attend_head(qh, qsq, kh, vh, mh, s_len, hd, oh, osq, out_bf16, q_len, sc, order, 0);
+                attend_head(qh, qsq, kh, vh, mh, s_len, hd, oh, osq, out_bf16, rows, sc, order, 0);
         }
         free(sc);
     }
