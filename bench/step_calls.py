@@ -68,7 +68,8 @@ def main() -> None:
                         times.setdefault(("round", r, mode), []).append(time.perf_counter() - t)
                 runner._plan = plan
     print(f"batch 1 unless said, {ctx} cached tokens, median ms of {args.repeats}, {torch.get_num_threads()} threads")
-    for kind, ns, what in (("step", sizes, "target step of {} tokens"), ("round", requests, "drafting round, {} requests")):
+    for kind, ns, what in (("step", sizes, "target step of {} tokens"),
+                           ("round", requests, "drafting round, {} requests")):
         for n in ns:
             one, calls = (1e3 * statistics.median(times[(kind, n, m)]) for m in ("one call", "by calls"))
             print(f"{what.format(n):<30} one call {one:7.3f} ms, calls one by one {calls:7.3f} ms ({calls / one:.2f}x)")

@@ -378,7 +378,8 @@ class DraftRunner:
                 None if layer.q_norm is None else layer.q_norm._cached_weight(None).data_ptr(),
                 None if layer.k_norm is None else layer.k_norm._cached_weight(None).data_ptr(),
                 1e-6 if layer.q_norm is None else layer.q_norm.eps, h, hkv, hd, inter, pos.data_ptr(),
-                cos.data_ptr(), sin.data_ptr(), hd ** -0.5, ctx[i].data_ptr(), ctx.shape[4], ctx.shape[4], slots.data_ptr(),
+                cos.data_ptr(), sin.data_ptr(), hd ** -0.5, ctx[i].data_ptr(), ctx.shape[4], ctx.shape[4],
+                slots.data_ptr(),
                 mask.data_ptr(), scratch.data_ptr(), q_buf.data_ptr(), xq.data_ptr(), e.data_ptr(), sx.data_ptr(),
                 int(self._w4), torch.get_num_threads())
             x, xn = x_out, xn_out

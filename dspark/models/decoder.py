@@ -293,7 +293,8 @@ class Decoder(nn.Module):
             refs = []
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
-                refs += [layer.input_layernorm._cached_weight(None), layer.post_attention_layernorm._cached_weight(None),
+                refs += [layer.input_layernorm._cached_weight(None),
+                         layer.post_attention_layernorm._cached_weight(None),
                          a.qkv_proj.packed, a.o_proj.packed, m.gate_up.packed, m.down.packed]
             eps = {n.eps for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
             self._weight_refs = refs
