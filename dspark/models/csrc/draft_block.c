@@ -57,13 +57,14 @@ void dspark_draft_block(const struct draft_weights *w, const int64_t *anchors, c
                         const int64_t *lengths, int64_t r_len, int64_t g, int64_t n, const float *cos_t,
                         const float *sin_t, float *pool, int64_t ld, float conf_bias, int64_t *tokens, float *conf_out,
                         int threads) {
-    const int64_t t = r_len * g, d = w->d, widest_in = d > w->h * w->hd ? (d > w->inter ? d : w->inter)
-                                                                      : (w->h * w->hd > w->inter ? w->h * w->hd : w->inter);
+    const int64_t t = r_len * g, d = w->d, natt = w->h * w->hd;
+    const int64_t widest_in = d > natt ? (d > w->inter ? d : w->inter) : (natt > w->inter ? natt : w->inter);
     int64_t longest = 0;
     for (int64_t r = 0; r < r_len; r++)
         longest = lengths[r] > longest ? lengths[r] : longest;
     const int64_t s_len = longest + g, layer_scratch = t * (3 * d + (2 * w->h + 2 * w->hkv) * w->hd + 3 * w->inter);
-    uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(4 * t * d + layer_scratch + r_len * n * w->head_rows));
+    uint16_t *buf =
+        (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(4 * t * d + layer_scratch + r_len * n * w->head_rows));
     float *q_buf = (float *)malloc(sizeof(float) * (size_t)(t * w->h * w->hd));
     int8_t *xq = (int8_t *)malloc((size_t)(t * widest_in));
     float *e = (float *)malloc(sizeof(float) * (size_t)(t * widest_in / 32 + 1));

@@ -27,8 +27,8 @@ void dspark_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *p
 
 /* x [t, d] bf16 -> x_out [t, d] bf16 (x is left as it is). Weights: the two norms' fp32 gains, the four
  * projections packed by int4.pack_for_kernel (no biases). RoPE: positions [t], fp32 cos / signed sin tables,
- * q's scale. Cache: the layer's pool [2 hkv, pool_rows, hd], fp32 or bf16 (kv_bf16); the t rows are written at slot[t]; the
- * sequence's keys are the s_len rows from kv_start, mask [t, s_len] bool. scratch: bf16 of
+ * q's scale. Cache: the layer's pool [2 hkv, pool_rows, hd], fp32 or bf16 (kv_bf16); the t rows are written at
+ * slot[t]; the sequence's keys are the s_len rows from kv_start, mask [t, s_len] bool. scratch: bf16 of
  * t * (5 d + (h + 2 hkv + h) hd + 3 inter) elements; q_buf: fp32 of t * h * hd. */
 void dspark_layer(const uint16_t *x, uint16_t *x_out, int64_t t, int64_t d, const float *ln1, const float *ln2,
                   float eps, const uint8_t *w_qkv, const uint8_t *w_o, const uint8_t *w_gu, const uint8_t *w_down,
@@ -43,7 +43,8 @@ void dspark_layer(const uint16_t *x, uint16_t *x_out, int64_t t, int64_t d, cons
     dspark_int4_mm(xn, t, d, w_qkv, nqkv, qkv, threads);
     dspark_rope_store(qkv, pos, cos_t, sin_t, q_scale, t, h, hkv, hd, q_buf, pool, pool_rows, slot, kv_bf16, threads);
     const size_t el = kv_bf16 ? 2 : 4;
-    const char *k = (const char *)pool + el * kv_start * hd, *v = (const char *)pool + el * (hkv * pool_rows + kv_start) * hd;
+    const char *k = (const char *)pool + el * kv_start * hd;
+    const char *v = (const char *)pool + el * (hkv * pool_rows + kv_start) * hd;
     dspark_attention(q_buf, t * natt, hd, natt, k, v, pool_rows * hd, 0, mask, att, 1, t * natt, hd, natt, 1, h, hkv,
                      t, s_len, hd, kv_bf16, threads);
     dspark_int4_mm(att, t, natt, w_o, d, ho, threads);
@@ -119,8 +120,10 @@ static void qk_norm_rows(uint16_t *qkv, int64_t t, int64_t h, int64_t hkv, int64
  * norm's gains (the next layer's input norm, or the final norm). Projections are 8-bit VNNI weights
  * (q8.pack_for_vnni, no biases), or 4-bit ones (int4.pack_for_kernel) where w4; RoPE writes the block's keys and
  * values into the pool [2 hkv, R ld, hd] fp32 at slot[t] and attention reads request b's keys at rows b ld ..
- * b ld + s_len - 1 of each head (ld >= s_len: a request's rows in the pool), under mask [R, g, s_len]. wq, wk: the q / k norms' gains (qk_eps), or NULL without them. scratch: bf16 of t * (3 d + (h + 2 hkv + h) hd + 3 inter) elements, plus
- * xq (int8, t * max_k), e and sx (fp32, int32: t * max_k / 32) for the VNNI rows, max_k the widest input. */
+ * b ld + s_len - 1 of each head (ld >= s_len: a request's rows in the pool), under mask [R, g, s_len]. wq, wk:
+ * the q / k norms' gains (qk_eps), or NULL without them. scratch: bf16 of t * (3 d + (h + 2 hkv + h) hd + 3 inter)
+ * elements, plus xq (int8, t * max_k), e and sx (fp32, int32: t * max_k / 32) for the VNNI rows, max_k the widest
+ * input. */
 void dspark_drafter_layer(const uint16_t *x, const uint16_t *xn, uint16_t *x_out, uint16_t *xn_out, int64_t r_len,
                           int64_t g, int64_t d, const float *ln_post, const float *ln_next, float eps,
                           const uint8_t *w_qkv, const uint8_t *w_o, const uint8_t *w_gu, const uint8_t *w_down,

@@ -49,8 +49,8 @@ int dspark_step(const int64_t *ids, const uint16_t *embed, int64_t vocab, int64_
     for (int64_t i = 0; i < t; i++)
         memcpy(x + i * d, embed + ids[i] * d, sizeof(uint16_t) * (size_t)d);
     dspark_layers(x, out, tmp, n_layers, w, t, d, eps, h, hkv, hd, inter, pos, cos_t, sin_t, q_scale, pool,
-                  layer_stride, pool_rows, slot, kv_start, mask, s_len, scratch, q_buf, taps, hidden, hidden_ld, kv_bf16,
-                  threads);
+                  layer_stride, pool_rows, slot, kv_start, mask, s_len, scratch, q_buf, taps, hidden, hidden_ld,
+                  kv_bf16, threads);
     if (n_logits > 0) {
         for (int64_t i = 0; i < n_logits; i++)
             memcpy(rows + i * d, out + logit_rows[i] * d, sizeof(uint16_t) * (size_t)d);
