@@ -174,19 +174,28 @@ class KVCache:
         """prepare() for one sequence whose blocks are consecutive in the pool (a sequence alone in it: batch 1),
         from three tensor ops: its new rows, and its keys as rows kv_start.. of the pool (no gather rows). The same
         metadata as the general path builds, less kv_rows; None where the blocks are not consecutive."""
-        table, bs, start = self._tables[seq], self.block_size, self._lengths[seq]
+        start = self._lengths[seq]
         total = start + q
-        first = table[0] if table else 0
         max_s = -(-total // self.kv_align) * self.kv_align
-        if table != list(range(first, first + len(table))) or (first * bs + max_s > self.num_blocks * bs):
+        row0 = self._view_start(seq, max_s)
+        if row0 is None:
             return None
-        row0 = first * bs
         mask = torch.arange(max_s, device=self.device) <= torch.arange(start, total, device=self.device).unsqueeze(1)
         self._lengths[seq] = total
         group = AttentionGroup(rows=None, kv_rows=None, mask=mask.view(1, 1, q, max_s), q_index=None, max_q=q,
                                kv_start=row0)
         return AttentionMetadata(slot_mapping=torch.arange(row0 + start, row0 + total, device=self.device),
                                  groups=(group,))
+
+    def _view_start(self, seq: Hashable, keys: int) -> int | None:
+        """The pool row where `seq`'s keys start if its blocks are consecutive and `keys` rows from there fit in
+        the pool (attention then reads them as one view: AttentionGroup.kv_start), else None."""
+        table = self._tables[seq]
+        first = table[0] if table else 0
+        bs = self.block_size
+        if table != list(range(first, first + len(table))) or first * bs + keys > self.num_blocks * bs:
+            return None
+        return first * bs
 
     def _group(self, seqs: list[Hashable], starts: list[int], query_lens: list[int], slots: list[torch.Tensor],
                rows: torch.Tensor | None) -> AttentionGroup:
@@ -200,11 +209,7 @@ class KVCache:
         mask = s_idx <= start_t + torch.minimum(j, qlen_t - 1)
         q_index, kv_start = None, None
         if len(seqs) == 1:
-            table = self._tables[seqs[0]]
-            first = table[0] if table else 0
-            consecutive = table == list(range(first, first + len(table)))
-            if consecutive and first * self.block_size + max_s <= self.num_blocks * self.block_size:
-                kv_start = first * self.block_size
+            kv_start = self._view_start(seqs[0], max_s)
         else:
             q_index = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(query_lens)]).to(self.device)
         kv_index = torch.zeros(len(seqs), max_s, dtype=torch.long)  # padding reads row 0, masked

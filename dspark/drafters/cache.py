@@ -23,13 +23,9 @@ class DrafterCache:
     def append(self, kv: torch.Tensor) -> None:
         """Append kv [n, layers, 2, kv_heads, hd] at positions length..length+n-1."""
         n = kv.shape[0]
-        self._reserve(self.length + n)
+        self.reserve(self.length + n)
         self.kv[:, :, :, self.length:self.length + n] = kv.permute(1, 2, 3, 0, 4)
         self.length += n
-
-    def reserve(self, positions: int) -> None:
-        """Room for `positions` rows (a drafting round writes its block's keys and values after the context)."""
-        self._reserve(positions)
 
     def truncate(self, length: int) -> None:
         """Forget positions >= length (rolled-back or re-extended context)."""
@@ -46,7 +42,8 @@ class DrafterCache:
         k, v = self.kv[index, :, :, :self.length].transpose(1, 2)
         return k, v
 
-    def _reserve(self, need: int) -> None:
+    def reserve(self, need: int) -> None:
+        """Room for `need` positions (a drafting round also writes its block's keys and values after the context)."""
         if need <= self.capacity:
             return
         grown = self.kv.new_empty((*self.kv.shape[:3], max(need, 2 * self.capacity), self.kv.shape[4]))
