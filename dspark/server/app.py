@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from dspark.llm import LLM
 from dspark.server.body import ClientGone, parse_json_object, read_body
 from dspark.server.config import ServerConfig
+from dspark.server.compute import ComputeThread
 from dspark.server.engine_loop import EngineLoop, QueueFull, RequestHandle
 from dspark.server.errors import APIError, bad_request
 from dspark.server.metrics import CONTENT_TYPE
@@ -33,12 +34,13 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
 class OpenAIServer:
     """Request handling: authenticate, read, validate, tokenize, admit, then answer or stream."""
 
-    def __init__(self, llm: LLM, config: ServerConfig):
+    def __init__(self, llm: LLM, config: ServerConfig, compute: ComputeThread | None = None):
+        """compute: the thread that loaded llm, for the engine loop to run on (see server/compute.py)."""
         self.llm = llm
         self.config = config
         self.engine = llm.engine
         max_running = self.engine.scheduler.config.max_num_seqs
-        self.loop = EngineLoop(self.engine, capacity=max_running + config.max_queued_requests)
+        self.loop = EngineLoop(self.engine, capacity=max_running + config.max_queued_requests, compute=compute)
         self.model_name = config.served_model_name or llm.model_path.name
         self.prompts = PromptEncoder(llm.tokenizer, vocab_size=self.engine.model.config.vocab_size,
                                      model_name=self.model_name, max_pending=self.loop.capacity)
@@ -208,9 +210,10 @@ class _CountResponses:
             self.server.loop.metrics.http_requests.inc(endpoint=endpoint, status=str(status))
 
 
-def create_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
-    """The ASGI app; the engine loop starts with the app's lifespan and stops with it."""
-    server = OpenAIServer(llm, config or ServerConfig())
+def create_app(llm: LLM, config: ServerConfig | None = None, compute: ComputeThread | None = None) -> FastAPI:
+    """The ASGI app; the engine loop starts with the app's lifespan and stops with it (on `compute`, the
+    thread that loaded llm, where given)."""
+    server = OpenAIServer(llm, config or ServerConfig(), compute)
 
     @asynccontextmanager
     async def lifespan(app):

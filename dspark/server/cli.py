@@ -44,6 +44,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Validate flags, bind the port, load and warm up the model, then serve until interrupted."""
+    from dspark.server.compute import ComputeThread
     from dspark.server.config import ServerConfig
     from dspark.server.launch import bind_socket, run_server
 
@@ -58,9 +59,10 @@ def serve(args: argparse.Namespace) -> int:
     log.info("flags checked: model %s, speculative %s, verify %s, %d running + %d queued requests, %s:%d",
              engine.target.model or "embedded", spec.algorithm, spec.verify_mode, engine.scheduler.max_num_seqs,
              config.max_queued_requests, config.host, sock.getsockname()[1])
-    llm = load_llm(engine)
-    warm_up(llm)
-    run_server(llm, config, sock, log_level=args.log_level)
+    compute = ComputeThread()  # loads the model, warms it up, then runs the engine loop: one OpenMP team
+    llm = compute.call(load_llm, engine)
+    compute.call(warm_up, llm)
+    run_server(llm, config, sock, log_level=args.log_level, compute=compute)
     return 0
 
 

@@ -1,5 +1,7 @@
 """EngineLoop: one thread owns the LLMEngine and runs step() while there is work; HTTP handlers
-talk to it only through a thread-safe inbox (add / abort) and per-request asyncio queues.
+talk to it only through a thread-safe inbox (add / abort) and per-request asyncio queues. That thread is
+a ComputeThread (dspark/server/compute.py): `dspark serve` loads the model on the same one, so a step
+runs with the OpenMP team that loading started and no second team beside it.
 
 Admission is bounded: at most `capacity` requests are in flight (running + queued); past that
 submit() raises QueueFull before anything is queued, so accepted work is never dropped."""
@@ -10,11 +12,14 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 
 from dspark.engine.llm_engine import LLMEngine
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import SamplingParams
+from dspark.server.compute import ComputeThread
 from dspark.server.errors import APIError
 from dspark.server.metrics import ServerMetrics
 
@@ -59,9 +64,11 @@ class _Live:
 
 
 class EngineLoop:
-    """Continuous batching over every connection, in one thread."""
+    """Continuous batching over every connection, in one thread: `compute`, the thread that loaded the
+    model (the loop then keeps it), or else a thread of the loop's own."""
 
-    def __init__(self, engine: LLMEngine, *, capacity: int, idle_wait_s: float = 0.5):
+    def __init__(self, engine: LLMEngine, *, capacity: int, idle_wait_s: float = 0.5,
+                 compute: ComputeThread | None = None):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.engine = engine
@@ -72,7 +79,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._inflight = 0
         self._live: dict[str, _Live] = {}  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
+        self._compute, self._owns_compute = compute, compute is None
+        self._running: Future | None = None  # the loop's run on the compute thread
         self.metrics = ServerMetrics(
             max_drafts=engine.proposer.max_drafts, inflight=lambda: self._inflight,
             running=lambda: engine.num_running, queued=lambda: max(0, self._inflight - engine.num_running),
@@ -80,18 +88,24 @@ class EngineLoop:
 
     # --- handler side (event-loop thread) ------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        if self._running is not None:
+            raise RuntimeError("the engine loop was started already")
+        if self._compute is None:
+            self._compute = ComputeThread("dspark-engine-loop")
+        self._running = self._compute.submit(self._run)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Fail what is in flight (the server is going away) and end the thread."""
-        if self._thread.is_alive():
+        """Fail what is in flight (the server is going away) and end the loop (and its own thread)."""
+        if self.alive:
             self._inbox.put(("stop",))
             self._wake.set()
-            self._thread.join(timeout)
+            wait_for([self._running], timeout)
+        if self._owns_compute and self._compute is not None:
+            self._compute.close(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._running is not None and not self._running.done()
 
     @property
     def inflight(self) -> int:

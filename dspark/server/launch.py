@@ -14,6 +14,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dspark.llm import LLM
 from dspark.server.app import create_app
+from dspark.server.compute import ComputeThread
 from dspark.server.config import ServerConfig
 
 log = logging.getLogger("dspark.server")
@@ -92,34 +93,41 @@ class _HeaderTimeoutH11(H11Protocol):
             self.transport.close()
 
 
-def _uvicorn_server(llm: LLM, config: ServerConfig, sock: socket.socket, log_level: str) -> _Server:
+def _uvicorn_server(llm: LLM, config: ServerConfig, sock: socket.socket, log_level: str,
+                    compute: ComputeThread | None = None) -> _Server:
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
-    app = create_app(llm, config)
+    app = create_app(llm, config, compute)
     http = functools.partial(_HeaderTimeoutH11, header_timeout_s=config.read_timeout_s)
     uv = uvicorn.Config(app, http=http, log_level=log_level, access_log=log_level == "debug", lifespan="on",
                         timeout_graceful_shutdown=5, log_config=None)
     return _Server(uv, f"http://{host}:{port}")
 
 
-def run_server(llm: LLM, config: ServerConfig, sock: socket.socket, *, log_level: str = "info") -> None:
+def run_server(llm: LLM, config: ServerConfig, sock: socket.socket, *, log_level: str = "info",
+               compute: ComputeThread | None = None) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM). The objects alive once the model is loaded (modules,
     parameters, tokenizer tables) live as long as the server: gc.freeze() leaves them out of every later
     collection, which otherwise walked them again and again during decoding (1-2% of batch-1 decode speed,
-    three interleaved runs of 16 generations on a 2-core Zen 5), as vLLM does at start-up."""
-    server = _uvicorn_server(llm, config, sock, log_level)
+    three interleaved runs of 16 generations on a 2-core Zen 5), as vLLM does at start-up. compute: the
+    thread that loaded llm, where the engine loop then runs (server/compute.py says why)."""
+    server = _uvicorn_server(llm, config, sock, log_level, compute)
     gc.collect()
     gc.freeze()
     server.run(sockets=[sock])
 
 
 class ServerThread:
-    """Serve an LLM from a background thread on a free port (port 0): `with ServerThread(llm) as s: s.url`."""
+    """Serve an LLM from a background thread on a free port (port 0): `with ServerThread(llm) as s: s.url`.
+    Its engine loop runs on `compute` where given (the thread that loaded llm), else on a thread of its own:
+    correct either way, but a loop on another thread than the one that loaded the model steps it up to ~3x
+    slower (server/compute.py), so time a server started by `dspark serve`, which loads on its loop's thread."""
 
-    def __init__(self, llm: LLM, config: ServerConfig | None = None, *, log_level: str = "warning"):
+    def __init__(self, llm: LLM, config: ServerConfig | None = None, *, log_level: str = "warning",
+                 compute: ComputeThread | None = None):
         config = config or ServerConfig(port=0)
         self._sock = bind_socket(config.host, config.port)
-        self.server = _uvicorn_server(llm, config, self._sock, log_level)
+        self.server = _uvicorn_server(llm, config, self._sock, log_level, compute)
         self.url = self.server.url
         self.app = self.server.config.app  # app.state.server is the OpenAIServer
         self.port = self._sock.getsockname()[1]
