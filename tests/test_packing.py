@@ -109,6 +109,35 @@ def test_invariant_attention_rows_do_not_depend_on_the_window(heads, kv_heads, k
         assert torch.equal(full, invariant_attention(q, k.float(), v.float(), mask, kernels=kernels))
 
 
+@pytest.mark.skipif(native.library() is None, reason=f"dspark's kernels do not run here: {native.why()}")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 2, 128), (2, 1, 32)])
+def test_paged_attention_equals_attention_over_the_gathered_rows(heads, kv_heads, hd, kv_dtype):
+    """native.attention_paged reads each sequence's keys where the cache holds them (scattered blocks, padding
+    pointing at row 0): bit for bit what the kernel gives over the same rows gathered into [Hkv, B, S, hd] first,
+    for sequences of different lengths and query rows (one and several a sequence), fp32 and bf16 caches."""
+    gen = torch.Generator().manual_seed(3)
+    pool_rows, s_len, lengths, q_len = 512, 96, [96, 37, 64, 5], 3
+    pool = torch.randn(2 * kv_heads, pool_rows, hd, generator=gen).to(kv_dtype)
+    perm = torch.randperm(pool_rows // 16, generator=gen)  # each sequence's 16-row blocks scattered in the pool
+    rows = torch.zeros(len(lengths), s_len, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        blocks = perm[b * (s_len // 16):(b + 1) * (s_len // 16)]
+        rows[b, :n] = (blocks.view(-1, 1) * 16 + torch.arange(16)).view(-1)[:n]
+    mask = torch.arange(s_len).view(1, 1, 1, -1) < torch.tensor(lengths).view(-1, 1, 1, 1) - (q_len - 1) \
+        + torch.arange(q_len).view(1, 1, -1, 1)
+    q = torch.randn(len(lengths), q_len, heads, hd, generator=gen).transpose(1, 2)  # a strided [B, H, Q, hd] view
+    gathered = pool.view(-1, hd).index_select(0, (torch.arange(2 * kv_heads).view(-1, 1) * pool_rows
+                                                  + rows.view(1, -1)).view(-1)).view(2 * kv_heads, len(lengths), s_len, hd)
+    lib = native.loaded() or native.library()
+    for out_dtype in (torch.float32, torch.bfloat16):
+        want = native.attention(lib, q, gathered[:kv_heads], gathered[kv_heads:], mask, out_dtype)
+        got = native.attention_paged(lib, q, pool, rows, mask, out_dtype)
+        assert torch.equal(got, want), out_dtype
+        assert torch.equal(native.attention_paged(lib, q[:, :, -1:], pool, rows, mask[:, :, -1:], out_dtype),
+                           want[:, :, -1:])
+
+
 @pytest.mark.parametrize("kernels", ATTENTION_ROUTES)
 @pytest.mark.parametrize("position", [100, 300, 383, 400, 500, 700, 1000])
 def test_invariant_attention_rows_do_not_depend_on_the_key_padding(position, kernels):

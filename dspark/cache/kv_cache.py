@@ -35,6 +35,9 @@ class AttentionGroup:
     # one sequence whose rows are consecutive in the pool: it reads rows kv_start + arange(S), so
     # attention reads a view of the pool instead of gathering (the same layout, so the same numerics)
     kv_start: int | None = None
+    # [Bg, S]: the pool row of each sequence's key s (padding: row 0, masked), for dspark's attention kernel,
+    # which reads the keys where they are (native.attention_paged) instead of the gather kv_rows makes
+    kv_index: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -218,4 +221,4 @@ class KVCache:
         heads, pool_rows = self.kv.shape[1], self.kv.shape[2]
         kv_rows = (torch.arange(heads).view(-1, 1) * pool_rows + kv_index.view(1, -1)).view(-1).to(self.device)
         return AttentionGroup(rows=rows, kv_rows=kv_rows, mask=mask.unsqueeze(1).to(self.device), q_index=q_index,
-                              max_q=max_q, kv_start=kv_start)
+                              max_q=max_q, kv_start=kv_start, kv_index=kv_index.to(self.device))

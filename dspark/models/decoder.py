@@ -85,24 +85,33 @@ class Attention(nn.Module):
             out.index_copy_(0, group.rows, self._attend(q.index_select(0, group.rows), kv_pool, group, dt))
         return self.o_proj.forward(out)
 
+    def _reads_in_place(self, qp: torch.Tensor, kv_pool: torch.Tensor, dt: torch.dtype) -> bool:
+        """Whether _attend's invariant route would run dspark's AVX-512 attention kernel here: then its paged form
+        reads a gathered group's keys from the pool itself (the same bits as over the gathered copy)."""
+        return ((kv_pool.dtype != dt or self.invariant) and self._kernels is True and native.loaded() is not None
+                and native.attention_fits(qp, kv_pool))
+
     def _attend(self, q: torch.Tensor, kv_pool: torch.Tensor, g: AttentionGroup, dt: torch.dtype) -> torch.Tensor:
         """One group's attention: q [Tg, H, hd] (scaled, rotated) -> [Tg, H * hd] in dt."""
         t, h, hkv = q.shape[0], self.h, self.hkv
         b, s = g.mask.shape[0], g.mask.shape[-1]
-        if g.kv_start is not None:  # one sequence in consecutive blocks: a view, no gather
-            kvs = kv_pool[:, g.kv_start:g.kv_start + s].unsqueeze(1)
-        else:
-            kvs = kv_pool.view(-1, self.hd).index_select(0, g.kv_rows).view(2 * hkv, b, s, self.hd)
-        keys, vals = kvs[:hkv], kvs[hkv:]  # [Hkv, B, S, hd]
         if g.q_index is None:  # one sequence: no padding
             qp = q.reshape(1, t, h, self.hd).transpose(1, 2)
         else:
             qp = q.new_zeros(b * g.max_q, h, self.hd).index_copy_(0, g.q_index, q)
             qp = qp.view(b, g.max_q, h, self.hd).transpose(1, 2)
-        if kv_pool.dtype != dt or self.invariant:
-            out = invariant_attention(qp, keys, vals, g.mask, kernels=self._kernels, out_dtype=dt)
+        if g.kv_start is None and g.kv_index is not None and self._reads_in_place(qp, kv_pool, dt):
+            out = native.attention_paged(native.loaded(), qp, kv_pool, g.kv_index, g.mask, dt)  # no gather
         else:
-            out = sdpa_attention(qp, keys, vals, g.mask).to(dt)
+            if g.kv_start is not None:  # one sequence in consecutive blocks: a view, no gather
+                kvs = kv_pool[:, g.kv_start:g.kv_start + s].unsqueeze(1)
+            else:
+                kvs = kv_pool.view(-1, self.hd).index_select(0, g.kv_rows).view(2 * hkv, b, s, self.hd)
+            keys, vals = kvs[:hkv], kvs[hkv:]  # [Hkv, B, S, hd]
+            if kv_pool.dtype != dt or self.invariant:
+                out = invariant_attention(qp, keys, vals, g.mask, kernels=self._kernels, out_dtype=dt)
+            else:
+                out = sdpa_attention(qp, keys, vals, g.mask).to(dt)
         out = out.transpose(1, 2).reshape(b * g.max_q, h * self.hd)  # [B*Q, H*hd]
         return out if g.q_index is None else out.index_select(0, g.q_index)
 

@@ -80,6 +80,8 @@ SIGNATURES = {
     "dspark_q8_vnni_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT, _PTR, _PTR, _PTR, _INT],
     "dspark_attention": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _I64,
                          _I64, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
+    "dspark_attention_paged": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64,
+                               _I64, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
     "dspark_decode_attention_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                                      _I64, _F32, _INT],
     "dspark_add_rmsnorm": [_PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],
@@ -193,8 +195,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     benchmark of another build (bench/kernels_ab.py) as for library()."""
     lib = ctypes.CDLL(str(path))  # after torch: its libgomp (same soname) serves this library too
     for name, args in SIGNATURES.items():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = RETURNS.get(name)
+        fn = getattr(lib, name, None)  # None: an older revision's build (kernels_ab.py) without this function
+        if fn is not None:
+            fn.argtypes, fn.restype = args, RETURNS.get(name)
     lib.dspark_amx_init.argtypes = [_INT]
     lib.dspark_act8_init.argtypes = [_INT]
     return lib
@@ -349,6 +352,24 @@ def attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                          k.stride(0), k.stride(1), mask.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
                          out.stride(0), out.stride(2), out.stride(1), b, h, k.shape[0], nq, k.shape[2], hd,
                          int(k.dtype == torch.bfloat16), _threads())
+    return out.transpose(1, 2)
+
+
+def attention_paged(lib, q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """attention() over a layer's cache as it is: pool [2 Hkv, pool rows, hd] fp32 or bf16 (keys, then values),
+    rows [B, S] int64: the pool row of each sequence's key s (padding: any row, masked). The same values in the
+    same order as attention() on the rows gathered into [Hkv, B, S, hd], so the same bits, without the copy."""
+    b, h, nq, hd = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    mask, rows = mask.contiguous(), rows.contiguous()
+    hkv = pool.shape[0] // 2
+    out = torch.empty(b, nq, h, hd, dtype=out_dtype)
+    lib.dspark_attention_paged(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), pool.data_ptr(),
+                               pool[hkv].data_ptr(), pool.stride(0), rows.data_ptr(), mask.data_ptr(), out.data_ptr(),
+                               int(out_dtype == torch.bfloat16), out.stride(0), out.stride(2), out.stride(1), b, h, hkv,
+                               nq, rows.shape[1], hd, int(pool.dtype == torch.bfloat16), _threads())
     return out.transpose(1, 2)
 
 

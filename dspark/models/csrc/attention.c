@@ -8,6 +8,8 @@
  * rows bit-identical to the same positions decoded one at a time. A row that may see no key gets zeros.
  * Keys and values are fp32, or bf16 (kv16: the target's cache, half the bytes to read; each is widened to
  * fp32 exactly as it is loaded, so the arithmetic is the same).
+ * dspark_attention_paged reads a sequence's keys and values where the cache keeps them (a row index per key)
+ * instead of from a gathered copy: the same values in the same order, so the same bits as gathering first.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -67,9 +69,10 @@ static inline __mmask16 live_keys(const uint8_t *mask, int64_t s0, int64_t n) {
  * (groups the row may not see at all are skipped), and the reciprocal of their sum; returns 0 where the
  * row sees no key (a padding row, whose output is zeros). nv = hd / 16 is a constant where the callers
  * know it (hd 64 and 128), so that the row's query vectors stay in registers. */
-static inline __attribute__((always_inline)) int row_probs(const float *q, const void *k, const uint8_t *mask,
-                                                           int64_t s_len, const int64_t nv, float *sc, __m512i order,
-                                                           float *inv, const int kv16) {
+static inline __attribute__((always_inline)) int row_probs(const float *q, const void *k, const int64_t *krow,
+                                                           const uint8_t *mask, int64_t s_len, const int64_t nv,
+                                                           float *sc, __m512i order, float *inv, const int kv16,
+                                                           const int paged) {
     const int64_t hd = nv * 16;
     __m512 qv[16];
     for (int64_t j = 0; j < nv; j++)
@@ -86,7 +89,7 @@ static inline __attribute__((always_inline)) int row_probs(const float *q, const
                 acc[i] = _mm512_setzero_ps();
                 continue;
             }
-            const int64_t ks = (s0 + i) * hd;
+            const int64_t ks = (paged ? krow[s0 + i] : s0 + i) * hd;
             acc[i] = _mm512_mul_ps(qv[0], kv_load(k, ks, kv16));
             for (int64_t j = 1; j < nv; j++)
                 acc[i] = _mm512_fmadd_ps(qv[j], kv_load(k, ks + 16 * j, kv16), acc[i]);
@@ -121,22 +124,25 @@ static inline __attribute__((always_inline)) int row_probs(const float *q, const
  * as for a row alone: the same bits whatever R. nv and R are constants (R * nv <= 16 vectors of sums) where
  * attend_head tiles; other head sizes come one row at a time with a run-time nv. */
 static inline __attribute__((always_inline)) void attend_rows(const float *q, int64_t qsq, const void *k,
-                                                              const void *v, const uint8_t *mask, int64_t s_len,
-                                                              const int64_t nv, const int R, void *out, int64_t osq,
-                                                              int bf16, float *sc, __m512i order, const int kv16) {
+                                                              const void *v, const int64_t *krow, const uint8_t *mask,
+                                                              int64_t s_len, const int64_t nv, const int R, void *out,
+                                                              int64_t osq, int bf16, float *sc, __m512i order,
+                                                              const int kv16, const int paged) {
     const int64_t hd = nv * 16, ld = s_len + 16;
     float inv[4];
     int seen[4];  /* o: up to 16 vectors a row for any head_dim (kept in registers where R * nv <= 16) */
     for (int r = 0; r < R; r++)
-        seen[r] = row_probs(q + r * qsq, k, mask + r * s_len, s_len, nv, sc + r * ld, order, &inv[r], kv16);
+        seen[r] = row_probs(q + r * qsq, k, krow, mask + r * s_len, s_len, nv, sc + r * ld, order, &inv[r], kv16,
+                            paged);
     __m512 o[4][16];
     for (int r = 0; r < R; r++)
         for (int64_t j = 0; j < nv; j++)
             o[r][j] = _mm512_setzero_ps();
     for (int64_t s = 0; s < s_len; s++) {
         __m512 vv[16];
+        const int64_t vs = (paged ? krow[s] : s) * hd;
         for (int64_t j = 0; j < nv; j++)
-            vv[j] = kv_load(v, s * hd + 16 * j, kv16);
+            vv[j] = kv_load(v, vs + 16 * j, kv16);
         for (int r = 0; r < R; r++) {
             if (!seen[r] || !mask[r * s_len + s])
                 continue;
@@ -154,17 +160,18 @@ static inline __attribute__((always_inline)) void attend_rows(const float *q, in
 }
 
 /* The q_len rows of one (sequence, head) (strides as in attend_rows): hd 64 in tiles of 4, 2 and 1 rows,
- * hd 128 in tiles of 2 and 1, other head sizes a row at a time. */
+ * hd 128 in tiles of 2 and 1, other head sizes a row at a time. paged: key / value s is row krow[s] of k / v. */
 static inline __attribute__((always_inline)) void attend_head(const float *q, int64_t qsq, const void *k,
-                                                              const void *v, const uint8_t *mask, int64_t s_len,
-                                                              int64_t hd, void *out, int64_t osq, int bf16,
-                                                              int64_t q_len, float *sc, __m512i order, const int kv16) {
+                                                              const void *v, const int64_t *krow, const uint8_t *mask,
+                                                              int64_t s_len, int64_t hd, void *out, int64_t osq,
+                                                              int bf16, int64_t q_len, float *sc, __m512i order,
+                                                              const int kv16, const int paged) {
     const int64_t ob = bf16 ? 2 : 4;
     int64_t i = 0;
-#define TILE(NV, R)                                                                                       \
-    for (; i + (R) <= q_len; i += (R))                                                                    \
-        attend_rows(q + i * qsq, qsq, k, v, mask + i * s_len, s_len, NV, R, (char *)out + i * osq * ob, osq, bf16, \
-                    sc, order, kv16)
+#define TILE(NV, R)                                                                                                 \
+    for (; i + (R) <= q_len; i += (R))                                                                              \
+        attend_rows(q + i * qsq, qsq, k, v, krow, mask + i * s_len, s_len, NV, R, (char *)out + i * osq * ob, osq, \
+                    bf16, sc, order, kv16, paged)
     if (hd == 64) {
         TILE(4, 4);
         TILE(4, 2);
@@ -175,18 +182,22 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, in
     }
 #undef TILE
     for (; i < q_len; i++)
-        attend_rows(q + i * qsq, qsq, k, v, mask + i * s_len, s_len, hd / 16, 1, (char *)out + i * osq * ob, osq,
-                    bf16, sc, order, kv16);
+        attend_rows(q + i * qsq, qsq, k, v, krow, mask + i * s_len, s_len, hd / 16, 1, (char *)out + i * osq * ob,
+                    osq, bf16, sc, order, kv16, paged);
 }
 
 /* Row (b, h, i) of q at q + b * qsb + h * qsh + i * qsq (scaled by 1/sqrt(hd)), written to out at
  * b * osb + h * osh + i * osq (elements; fp32, or bf16 with out_bf16); keys / values of kv head j of sequence b at
- * k / v + j * kvsh + b * kvsb (elements), S rows of hd each, fp32 or bf16 (kv_bf16); mask [B, Q, S] bool. hd a
- * multiple of 16, at most 256; H a multiple of Hkv. */
-void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, const void *k, const void *v,
-                      int64_t kvsh, int64_t kvsb, const uint8_t *mask, void *out, int out_bf16, int64_t osb,
-                      int64_t osh, int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len,
-                      int64_t hd, int kv_bf16, int threads) {
+ * k / v + j * kvsh + b * kvsb (elements), S rows of hd each, or with paged (dspark_attention_paged) its key s at row
+ * krows[b * S + s] of k / v + j * kvsh; fp32 or bf16 (kv_bf16); mask [B, Q, S] bool. hd a multiple of 16, at most
+ * 256; H a multiple of Hkv. */
+static inline __attribute__((always_inline)) void attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq,
+                                                            const void *k, const void *v, int64_t kvsh, int64_t kvsb,
+                                                            const int64_t *krows, const uint8_t *mask, void *out,
+                                                            int out_bf16, int64_t osb, int64_t osh, int64_t osq,
+                                                            int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len,
+                                                            int64_t s_len, int64_t hd, int kv_bf16, int threads,
+                                                            const int paged) {
     const int64_t group = h_len / hkv, ob = out_bf16 ? 2 : 4;
     /* work items: a (sequence, head)'s query rows in tiles of attend_head's widest (4 rows at hd 64), so that a
      * verify window's rows spread over the threads evenly (9 heads of 8 rows: 18 items, not 5 heads against 4) */
@@ -199,18 +210,38 @@ void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, con
         for (int64_t item = 0; item < b_len * h_len * tiles; item++) {
             const int64_t bh = item / tiles, b = bh / h_len, h = bh % h_len, i0 = item % tiles * tile;
             const int64_t rows = q_len - i0 < tile ? q_len - i0 : tile;
-            const int64_t kv_off = ((h / group) * kvsh + b * kvsb) * (kv_bf16 ? 2 : 4);  /* bytes */
+            const int64_t kv_off = ((h / group) * kvsh + (paged ? 0 : b * kvsb)) * (kv_bf16 ? 2 : 4);  /* bytes */
             const char *kh = (const char *)k + kv_off, *vh = (const char *)v + kv_off;
+            const int64_t *kr = paged ? krows + b * s_len : NULL;
             const float *qh = q + b * qsb + h * qsh + i0 * qsq;
             const uint8_t *mh = mask + (b * q_len + i0) * s_len;
             void *oh = (char *)out + (b * osb + h * osh + i0 * osq) * ob;
             if (kv_bf16)
-                attend_head(qh, qsq, kh, vh, mh, s_len, hd, oh, osq, out_bf16, rows, sc, order, 1);
+                attend_head(qh, qsq, kh, vh, kr, mh, s_len, hd, oh, osq, out_bf16, rows, sc, order, 1, paged);
             else
-                attend_head(qh, qsq, kh, vh, mh, s_len, hd, oh, osq, out_bf16, rows, sc, order, 0);
+                attend_head(qh, qsq, kh, vh, kr, mh, s_len, hd, oh, osq, out_bf16, rows, sc, order, 0, paged);
         }
         free(sc);
     }
+}
+
+void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, const void *k, const void *v,
+                      int64_t kvsh, int64_t kvsb, const uint8_t *mask, void *out, int out_bf16, int64_t osb,
+                      int64_t osh, int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len,
+                      int64_t hd, int kv_bf16, int threads) {
+    attention(q, qsb, qsh, qsq, k, v, kvsh, kvsb, NULL, mask, out, out_bf16, osb, osh, osq, b_len, h_len, hkv, q_len,
+              s_len, hd, kv_bf16, threads, 0);
+}
+
+/* dspark_attention over the cache itself: sequence b's key / value s is row krows[b * s_len + s] of each kv head's
+ * rows (k / v + j * kvsh), a padding key any row there (masked). Why: a step of several sequences gathered every
+ * layer's keys and values into a copy first, ~40% of a step of 8 sequences x 256 cached tokens. */
+void dspark_attention_paged(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, const void *k, const void *v,
+                            int64_t kvsh, const int64_t *krows, const uint8_t *mask, void *out, int out_bf16,
+                            int64_t osb, int64_t osh, int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv,
+                            int64_t q_len, int64_t s_len, int64_t hd, int kv_bf16, int threads) {
+    attention(q, qsb, qsh, qsq, k, v, kvsh, 0, krows, mask, out, out_bf16, osb, osh, osq, b_len, h_len, hkv, q_len,
+              s_len, hd, kv_bf16, threads, 1);
 }
 
 /* One bf16 query row (scaled here by `scale`) over the first n keys / values of a bf16 cache (rows of hd),
