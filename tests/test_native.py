@@ -13,7 +13,7 @@ from dspark.models import native
 from dspark.models.int4 import GROUP, Int4Linear, fit_int4, pack_for_kernel
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
 from dspark.models.loader import load_decoder
-from invariance import logits_by_chunks
+from invariance import batched_logits, logits_by_chunks
 from rounding import rows_rounded_to_8bit
 
 lib = native.library()
@@ -149,6 +149,35 @@ def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedd
     dec._fused = False  # ... and as the layer-by-layer path that batches take
     assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
     assert torch.equal(_hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
+
+
+def test_sequences_with_windows_of_one_length_step_in_one_call(embedded_dir, monkeypatch):
+    """Plain decoding under load (a token each) and fixed-length verify windows: csrc/step.c runs the sequences
+    in one call, attention reading the cache in place (their blocks interleaved in the pool), with the same bits
+    as the layer-by-layer path and as each sequence decoded alone; mixed windows take the layer-by-layer path."""
+    dec = load_decoder(embedded_dir, dtype=torch.bfloat16, quantization="auto")
+    gen = torch.Generator().manual_seed(5)
+    streams = [torch.randint(1000, (n,), generator=gen) for n in (50, 41, 60)]
+    plan = [{0: 30}, {1: 25}, {2: 33}, {0: 1, 1: 1, 2: 1}, {0: 4, 1: 4, 2: 4}, {0: 1, 1: 1, 2: 1}, {0: 3, 2: 3},
+            {0: 2, 1: 5, 2: 1}]
+    lib, b_lens = native.loaded(), []
+    step = lib.dspark_step
+
+    def spy(*args):
+        b_lens.append(args[22])  # b_len: how many sequences the call ran
+        return step(*args)
+
+    monkeypatch.setattr(lib, "dspark_step", spy)
+    one_call = batched_logits(dec, streams, plan)
+    assert b_lens.count(3) == 3 and b_lens.count(2) == 1 and len(b_lens) == 7  # the mixed last step: by layers
+    dec._weights = False  # the layer-by-layer path, attention on the same kernel
+    by_layers = batched_logits(dec, streams, plan)
+    assert len(b_lens) == 7
+    for seq, (got, want) in enumerate(zip(one_call, by_layers)):
+        assert torch.equal(got, want), seq
+        firsts = [step[seq] for step in plan if seq in step]
+        alone = batched_logits(dec, [streams[seq]], [{0: n} for n in firsts])[0]
+        assert torch.equal(got, alone), seq
 
 
 def test_the_one_call_step_refuses_ids_outside_the_vocabulary(embedded_dir):

@@ -241,22 +241,41 @@ class Decoder(nn.Module):
             self._fused = all(layer.fusable() for layer in self.layers)
         return self._fused
 
+    def _same_windows(self, meta: AttentionMetadata, t: int) -> bool:
+        """Whether this step's sequences all append windows of one length (plain decoding under load: one token
+        each; a fixed-length verify) and read the cache in place (AttentionGroup.kv_index): csrc/step.c then runs
+        them in one call, attention on dspark_attention_paged, as the layer-by-layer path does."""
+        if len(meta.groups) != 1:
+            return False
+        g = meta.groups[0]
+        if (g.kv_start is not None or g.kv_index is None or g.rows is not None or not g.mask.is_contiguous()
+                or t != g.mask.shape[0] * g.max_q):
+            return False
+        if self._fused is None:
+            self._fused = all(layer.fusable() for layer in self.layers)
+        return self._fused
+
     def _step_in_one_call(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                           meta: AttentionMetadata, logits_rows: torch.Tensor | None,
                           hidden_layers: tuple[int, ...]) -> DecoderOutput | None:
-        """forward() for one sequence as one kernel call (csrc/step.c: the embedding, every layer, the final norm
-        and the 8-bit LM head, the same kernels as the calls one by one, so the same bits), or None where that
-        call does not run: bf16 rows on dspark's kernels, every layer fused (DecoderLayer.forward_fused), one
-        sequence reading consecutive cache rows, no layer tapped twice. Any other LM head runs after it here."""
+        """forward() as one kernel call (csrc/step.c: the embedding, every layer, the final norm and the 8-bit LM
+        head, the same kernels as the calls one by one, so the same bits), or None where that call does not run:
+        bf16 rows on dspark's kernels, every layer fused (DecoderLayer.forward_fused), one sequence reading
+        consecutive cache rows or several with windows of one length (_same_windows), no layer tapped twice. Any
+        other LM head runs after it here."""
         c, w = self.config, self.embed_tokens.weight
+        t = input_ids.shape[0]
         if not (self._kernel_rope and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
-                and self._one_sequence(meta) and len(set(hidden_layers)) == len(hidden_layers)):
+                and len(set(hidden_layers)) == len(hidden_layers)):
+            return None
+        paged = not self._one_sequence(meta)
+        if paged and not self._same_windows(meta, t):
             return None
         weights = self._layer_weights()
         if weights is None:
             return None
         pointers, eps = weights
-        t, g, d, kv, a = input_ids.shape[0], meta.groups[0], c.hidden_size, cache.kv, self.layers[0].self_attn
+        g, d, kv, a = meta.groups[0], c.hidden_size, cache.kv, self.layers[0].self_attn
         taps = self._taps.get(hidden_layers)
         if taps is None:
             taps = torch.full((len(self.layers),), -1, dtype=torch.int64)
@@ -275,7 +294,8 @@ class Decoder(nn.Module):
         status = native.loaded().dspark_step(
             ids.data_ptr(), w.data_ptr(), w.shape[0], t, len(self.layers), pointers.data_ptr(), d, eps, a.h, a.hkv,
             a.hd, c.intermediate_size, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), a.hd ** -0.5, kv.data_ptr(),
-            kv.stride(0), kv.shape[2], meta.slot_mapping.data_ptr(), g.kv_start, g.mask.data_ptr(), g.mask.shape[-1],
+            kv.stride(0), kv.shape[2], meta.slot_mapping.data_ptr(), 0 if paged else g.kv_start,
+            g.kv_index.data_ptr() if paged else None, g.mask.shape[0], g.mask.data_ptr(), g.mask.shape[-1],
             taps.data_ptr() if hidden_layers else None, None if hidden is None else hidden.data_ptr(),
             0 if hidden is None else hidden.shape[1], int(kv.dtype == torch.bfloat16),
             None if x_out is None else x_out.data_ptr(), self.norm._cached_weight(None).data_ptr(), self.norm.eps,
