@@ -151,28 +151,29 @@ def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedd
     assert torch.equal(_hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
 
 
-def test_sequences_with_windows_of_one_length_step_in_one_call(embedded_dir, monkeypatch):
-    """Plain decoding under load (a token each) and fixed-length verify windows: csrc/step.c runs the sequences
-    in one call, attention reading the cache in place (their blocks interleaved in the pool), with the same bits
-    as the layer-by-layer path and as each sequence decoded alone; mixed windows take the layer-by-layer path."""
+def test_several_sequences_windows_step_in_one_call(embedded_dir, monkeypatch):
+    """Decodes and verify windows of several sequences (a token each, windows of one length, of mixed lengths):
+    csrc/step.c runs them in one call, attention reading the cache in place (their blocks interleaved in the
+    pool), with the same bits as the layer-by-layer path and as each sequence decoded alone; a step with a
+    prefill chunk longer than a window keeps the layer-by-layer path."""
     dec = load_decoder(embedded_dir, dtype=torch.bfloat16, quantization="auto")
     gen = torch.Generator().manual_seed(5)
-    streams = [torch.randint(1000, (n,), generator=gen) for n in (50, 41, 60)]
+    streams = [torch.randint(1000, (n,), generator=gen) for n in (50, 41, 60, 25)]
     plan = [{0: 30}, {1: 25}, {2: 33}, {0: 1, 1: 1, 2: 1}, {0: 4, 1: 4, 2: 4}, {0: 1, 1: 1, 2: 1}, {0: 3, 2: 3},
-            {0: 2, 1: 5, 2: 1}]
+            {0: 2, 1: 5, 2: 1}, {0: 1, 1: 1, 3: 20}]
     lib, b_lens = native.loaded(), []
     step = lib.dspark_step
 
     def spy(*args):
-        b_lens.append(args[22])  # b_len: how many sequences the call ran
+        b_lens.append(args[24])  # b_len: how many sequences the call ran
         return step(*args)
 
     monkeypatch.setattr(lib, "dspark_step", spy)
     one_call = batched_logits(dec, streams, plan)
-    assert b_lens.count(3) == 3 and b_lens.count(2) == 1 and len(b_lens) == 7  # the mixed last step: by layers
+    assert b_lens == [1, 1, 1, 3, 3, 3, 2, 3]  # the last step (a 20-token prefill beside decodes): by layers
     dec._weights = False  # the layer-by-layer path, attention on the same kernel
     by_layers = batched_logits(dec, streams, plan)
-    assert len(b_lens) == 7
+    assert len(b_lens) == 8
     for seq, (got, want) in enumerate(zip(one_call, by_layers)):
         assert torch.equal(got, want), seq
         firsts = [step[seq] for step in plan if seq in step]

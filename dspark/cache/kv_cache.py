@@ -41,16 +41,30 @@ class AttentionGroup:
 
 
 @dataclass(frozen=True)
+class WindowsRead:
+    """Several sequences' windows of up to WINDOW_Q tokens (no prefill chunk) as one kernel call reads them
+    (csrc/step.c, attention on dspark_attention_paged): sequence b's q_lens[b] rows start at row q_off[b] of the
+    batch, its key s is pool row kv_index[b, s] (padding: row 0, masked), mask [B, max window, S] bool."""
+
+    q_off: torch.Tensor  # [B] int64
+    q_lens: torch.Tensor  # [B] int64
+    kv_index: torch.Tensor  # [B, S] int64
+    mask: torch.Tensor  # [B, Q, S] bool
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where a ragged batch writes and reads K/V. B sequences, T new tokens.
 
     Attention is split into groups so that short windows are not padded to a prefill chunk's length:
     all windows of one token, all windows of 2..WINDOW_Q tokens, and each longer chunk on its own
     (usually a single group). Every row's result is independent of its group's make-up
-    (models/attention.py), so the split changes cost, not numerics."""
+    (models/attention.py), so the split changes cost, not numerics. A batch of several sequences' windows
+    also carries them whole (windows), for the kernel call that runs them unpadded."""
 
     slot_mapping: torch.Tensor  # [T] flat cache row written by each new token
     groups: tuple[AttentionGroup, ...]
+    windows: WindowsRead | None = None
 
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV page (EngineConfig.cache.kv_block_size)
@@ -169,9 +183,15 @@ class KVCache:
                 rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members]).to(self.device)
             groups.append(self._group([seqs[i] for i in members], [starts[i] for i in members],
                                       [query_lens[i] for i in members], [slots[i] for i in members], rows))
+        windows = None
+        if len(seqs) > 1 and max(query_lens) <= WINDOW_Q:
+            kv_index, mask = self._keys(starts, query_lens, slots)
+            windows = WindowsRead(q_off=torch.tensor(offsets[:-1]).to(self.device),
+                                  q_lens=torch.tensor(list(query_lens)).to(self.device),
+                                  kv_index=kv_index.to(self.device), mask=mask.to(self.device))
         for s, tot in zip(seqs, totals):
             self._lengths[s] = tot
-        return AttentionMetadata(slot_mapping=slot_mapping.to(self.device), groups=tuple(groups))
+        return AttentionMetadata(slot_mapping=slot_mapping.to(self.device), groups=tuple(groups), windows=windows)
 
     def _prepare_consecutive(self, seq: Hashable, q: int) -> AttentionMetadata | None:
         """prepare() for one sequence whose blocks are consecutive in the pool (a sequence alone in it: batch 1),
@@ -200,24 +220,32 @@ class KVCache:
             return None
         return first * bs
 
-    def _group(self, seqs: list[Hashable], starts: list[int], query_lens: list[int], slots: list[torch.Tensor],
-               rows: torch.Tensor | None) -> AttentionGroup:
+    def _keys(self, starts: Sequence[int], query_lens: Sequence[int],
+              slots: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequences' keys as attention reads them: ([B, S] the pool row of each one's key s, padding row 0;
+        [B, Q, S] bool, causal within each sequence, padded query rows copying the last real row), S the longest
+        length rounded up to kv_align, Q the longest window."""
         totals = [st + q for st, q in zip(starts, query_lens)]
         max_s, max_q = -(-max(totals) // self.kv_align) * self.kv_align, max(query_lens)
-        start_t = torch.tensor(starts).view(-1, 1, 1)
-        qlen_t = torch.tensor(query_lens).view(-1, 1, 1)
+        start_t = torch.tensor(list(starts)).view(-1, 1, 1)
+        qlen_t = torch.tensor(list(query_lens)).view(-1, 1, 1)
         j = torch.arange(max_q).view(1, -1, 1)
         s_idx = torch.arange(max_s).view(1, 1, -1)
-        # causal within each sequence; padded query rows copy the last real row (never all-masked)
-        mask = s_idx <= start_t + torch.minimum(j, qlen_t - 1)
+        mask = s_idx <= start_t + torch.minimum(j, qlen_t - 1)  # never all-masked
+        kv_index = torch.zeros(len(starts), max_s, dtype=torch.long)
+        for i, sl in enumerate(slots):
+            kv_index[i, : sl.numel()] = sl
+        return kv_index, mask
+
+    def _group(self, seqs: list[Hashable], starts: list[int], query_lens: list[int], slots: list[torch.Tensor],
+               rows: torch.Tensor | None) -> AttentionGroup:
+        kv_index, mask = self._keys(starts, query_lens, slots)
+        max_s, max_q = mask.shape[-1], mask.shape[1]
         q_index, kv_start = None, None
         if len(seqs) == 1:
             kv_start = self._view_start(seqs[0], max_s)
         else:
             q_index = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(query_lens)]).to(self.device)
-        kv_index = torch.zeros(len(seqs), max_s, dtype=torch.long)  # padding reads row 0, masked
-        for i, sl in enumerate(slots):
-            kv_index[i, : sl.numel()] = sl
         heads, pool_rows = self.kv.shape[1], self.kv.shape[2]
         kv_rows = (torch.arange(heads).view(-1, 1) * pool_rows + kv_index.view(1, -1)).view(-1).to(self.device)
         return AttentionGroup(rows=rows, kv_rows=kv_rows, mask=mask.unsqueeze(1).to(self.device), q_index=q_index,

@@ -241,15 +241,11 @@ class Decoder(nn.Module):
             self._fused = all(layer.fusable() for layer in self.layers)
         return self._fused
 
-    def _same_windows(self, meta: AttentionMetadata, t: int) -> bool:
-        """Whether this step's sequences all append windows of one length (plain decoding under load: one token
-        each; a fixed-length verify) and read the cache in place (AttentionGroup.kv_index): csrc/step.c then runs
-        them in one call, attention on dspark_attention_paged, as the layer-by-layer path does."""
-        if len(meta.groups) != 1:
-            return False
-        g = meta.groups[0]
-        if (g.kv_start is not None or g.kv_index is None or g.rows is not None or not g.mask.is_contiguous()
-                or t != g.mask.shape[0] * g.max_q):
+    def _windows_fused(self, meta: AttentionMetadata) -> bool:
+        """Whether this step is several sequences' windows (decodes and verify windows, no prefill chunk:
+        AttentionMetadata.windows) on fused layers: csrc/step.c then runs them in one call, attention reading the
+        cache in place (dspark_attention_paged, unpadded), with the bits of the layer-by-layer path."""
+        if meta.windows is None or not meta.windows.mask.is_contiguous():
             return False
         if self._fused is None:
             self._fused = all(layer.fusable() for layer in self.layers)
@@ -261,21 +257,22 @@ class Decoder(nn.Module):
         """forward() as one kernel call (csrc/step.c: the embedding, every layer, the final norm and the 8-bit LM
         head, the same kernels as the calls one by one, so the same bits), or None where that call does not run:
         bf16 rows on dspark's kernels, every layer fused (DecoderLayer.forward_fused), one sequence reading
-        consecutive cache rows or several with windows of one length (_same_windows), no layer tapped twice. Any
-        other LM head runs after it here."""
+        consecutive cache rows or several sequences' windows (_windows_fused), no layer tapped twice. Any other LM
+        head runs after it here."""
         c, w = self.config, self.embed_tokens.weight
         t = input_ids.shape[0]
         if not (self._kernel_rope and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
                 and len(set(hidden_layers)) == len(hidden_layers)):
             return None
         paged = not self._one_sequence(meta)
-        if paged and not self._same_windows(meta, t):
+        if paged and not self._windows_fused(meta):
             return None
         weights = self._layer_weights()
         if weights is None:
             return None
         pointers, eps = weights
-        g, d, kv, a = meta.groups[0], c.hidden_size, cache.kv, self.layers[0].self_attn
+        d, kv, a = c.hidden_size, cache.kv, self.layers[0].self_attn
+        g = meta.windows if paged else meta.groups[0]
         taps = self._taps.get(hidden_layers)
         if taps is None:
             taps = torch.full((len(self.layers),), -1, dtype=torch.int64)
@@ -295,7 +292,8 @@ class Decoder(nn.Module):
             ids.data_ptr(), w.data_ptr(), w.shape[0], t, len(self.layers), pointers.data_ptr(), d, eps, a.h, a.hkv,
             a.hd, c.intermediate_size, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), a.hd ** -0.5, kv.data_ptr(),
             kv.stride(0), kv.shape[2], meta.slot_mapping.data_ptr(), 0 if paged else g.kv_start,
-            g.kv_index.data_ptr() if paged else None, g.mask.shape[0], g.mask.data_ptr(), g.mask.shape[-1],
+            *((g.kv_index.data_ptr(), g.q_off.data_ptr(), g.q_lens.data_ptr(), g.mask.shape[0], g.mask.shape[1])
+              if paged else (None, None, None, 1, t)), g.mask.data_ptr(), g.mask.shape[-1],
             taps.data_ptr() if hidden_layers else None, None if hidden is None else hidden.data_ptr(),
             0 if hidden is None else hidden.shape[1], int(kv.dtype == torch.bfloat16),
             None if x_out is None else x_out.data_ptr(), self.norm._cached_weight(None).data_ptr(), self.norm.eps,

@@ -80,8 +80,8 @@ SIGNATURES = {
     "dspark_q8_vnni_mm": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT, _PTR, _PTR, _PTR, _INT],
     "dspark_attention": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _I64,
                          _I64, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
-    "dspark_attention_paged": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT, _I64, _I64, _I64,
-                               _I64, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
+    "dspark_attention_paged": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _I64,
+                               _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
     "dspark_decode_attention_bf16": [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                                      _I64, _F32, _INT],
     "dspark_add_rmsnorm": [_PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],
@@ -90,8 +90,8 @@ SIGNATURES = {
     "dspark_layer": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
                      _PTR, _PTR, _F32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _INT, _INT],
     "dspark_step": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR,
-                    _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _PTR, _PTR, _F32, _PTR, _I64,
-                    _INT, _PTR, _I64, _PTR, _INT],
+                    _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT, _PTR, _PTR,
+                    _F32, _PTR, _I64, _INT, _PTR, _I64, _PTR, _INT],
     "dspark_drafter_layer": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR,
                              _PTR, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _PTR, _PTR,
                              _PTR, _PTR,
@@ -367,7 +367,8 @@ def attention_paged(lib, q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor
     hkv = pool.shape[0] // 2
     out = torch.empty(b, nq, h, hd, dtype=out_dtype)
     lib.dspark_attention_paged(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), pool.data_ptr(),
-                               pool[hkv].data_ptr(), pool.stride(0), rows.data_ptr(), mask.data_ptr(), out.data_ptr(),
+                               pool[hkv].data_ptr(), pool.stride(0), rows.data_ptr(), None, None, mask.data_ptr(),
+                               out.data_ptr(),
                                int(out_dtype == torch.bfloat16), out.stride(0), out.stride(2), out.stride(1), b, h, hkv,
                                nq, rows.shape[1], hd, int(pool.dtype == torch.bfloat16), _threads())
     return out.transpose(1, 2)

@@ -189,11 +189,13 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, in
 /* Row (b, h, i) of q at q + b * qsb + h * qsh + i * qsq (scaled by 1/sqrt(hd)), written to out at
  * b * osb + h * osh + i * osq (elements; fp32, or bf16 with out_bf16); keys / values of kv head j of sequence b at
  * k / v + j * kvsh + b * kvsb (elements), S rows of hd each, or with paged (dspark_attention_paged) its key s at row
- * krows[b * S + s] of k / v + j * kvsh; fp32 or bf16 (kv_bf16); mask [B, Q, S] bool. hd a multiple of 16, at most
- * 256; H a multiple of Hkv. */
+ * krows[b * S + s] of k / v + j * kvsh; fp32 or bf16 (kv_bf16); mask [B, Q, S] bool. With q_off (paged only),
+ * sequence b has q_lens[b] <= Q rows, the first at row q_off[b] of q and out (qsb and osb unused) and mask row
+ * b * Q. hd a multiple of 16, at most 256; H a multiple of Hkv. */
 static inline __attribute__((always_inline)) void attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq,
                                                             const void *k, const void *v, int64_t kvsh, int64_t kvsb,
-                                                            const int64_t *krows, const uint8_t *mask, void *out,
+                                                            const int64_t *krows, const int64_t *q_off,
+                                                            const int64_t *q_lens, const uint8_t *mask, void *out,
                                                             int out_bf16, int64_t osb, int64_t osh, int64_t osq,
                                                             int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len,
                                                             int64_t s_len, int64_t hd, int kv_bf16, int threads,
@@ -209,13 +211,17 @@ static inline __attribute__((always_inline)) void attention(const float *q, int6
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < b_len * h_len * tiles; item++) {
             const int64_t bh = item / tiles, b = bh / h_len, h = bh % h_len, i0 = item % tiles * tile;
-            const int64_t rows = q_len - i0 < tile ? q_len - i0 : tile;
+            const int64_t len = q_off ? q_lens[b] : q_len, rows = len - i0 < tile ? len - i0 : tile;
+            if (rows <= 0)
+                continue;  /* past a shorter window's rows */
             const int64_t kv_off = ((h / group) * kvsh + (paged ? 0 : b * kvsb)) * (kv_bf16 ? 2 : 4);  /* bytes */
             const char *kh = (const char *)k + kv_off, *vh = (const char *)v + kv_off;
             const int64_t *kr = paged ? krows + b * s_len : NULL;
-            const float *qh = q + b * qsb + h * qsh + i0 * qsq;
+            const int64_t qrow = q_off ? (q_off[b] + i0) * qsq : b * qsb + i0 * qsq,
+                          orow = q_off ? (q_off[b] + i0) * osq : b * osb + i0 * osq;
+            const float *qh = q + qrow + h * qsh;
             const uint8_t *mh = mask + (b * q_len + i0) * s_len;
-            void *oh = (char *)out + (b * osb + h * osh + i0 * osq) * ob;
+            void *oh = (char *)out + (orow + h * osh) * ob;
             if (kv_bf16)
                 attend_head(qh, qsq, kh, vh, kr, mh, s_len, hd, oh, osq, out_bf16, rows, sc, order, 1, paged);
             else
@@ -229,19 +235,21 @@ void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, con
                       int64_t kvsh, int64_t kvsb, const uint8_t *mask, void *out, int out_bf16, int64_t osb,
                       int64_t osh, int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len,
                       int64_t hd, int kv_bf16, int threads) {
-    attention(q, qsb, qsh, qsq, k, v, kvsh, kvsb, NULL, mask, out, out_bf16, osb, osh, osq, b_len, h_len, hkv, q_len,
-              s_len, hd, kv_bf16, threads, 0);
+    attention(q, qsb, qsh, qsq, k, v, kvsh, kvsb, NULL, NULL, NULL, mask, out, out_bf16, osb, osh, osq, b_len, h_len,
+              hkv, q_len, s_len, hd, kv_bf16, threads, 0);
 }
 
 /* dspark_attention over the cache itself: sequence b's key / value s is row krows[b * s_len + s] of each kv head's
- * rows (k / v + j * kvsh), a padding key any row there (masked). Why: a step of several sequences gathered every
- * layer's keys and values into a copy first, ~40% of a step of 8 sequences x 256 cached tokens. */
+ * rows (k / v + j * kvsh), a padding key any row there (masked); with q_off and q_lens (else NULL), windows of
+ * their own lengths, unpadded (see attention() above). Why: a step of several sequences gathered every layer's
+ * keys and values into a copy first, ~40% of a step of 8 sequences x 256 cached tokens. */
 void dspark_attention_paged(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, const void *k, const void *v,
-                            int64_t kvsh, const int64_t *krows, const uint8_t *mask, void *out, int out_bf16,
-                            int64_t osb, int64_t osh, int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv,
-                            int64_t q_len, int64_t s_len, int64_t hd, int kv_bf16, int threads) {
-    attention(q, qsb, qsh, qsq, k, v, kvsh, 0, krows, mask, out, out_bf16, osb, osh, osq, b_len, h_len, hkv, q_len,
-              s_len, hd, kv_bf16, threads, 1);
+                            int64_t kvsh, const int64_t *krows, const int64_t *q_off, const int64_t *q_lens,
+                            const uint8_t *mask, void *out, int out_bf16, int64_t osb, int64_t osh, int64_t osq,
+                            int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len, int64_t hd,
+                            int kv_bf16, int threads) {
+    attention(q, qsb, qsh, qsq, k, v, kvsh, 0, krows, q_off, q_lens, mask, out, out_bf16, osb, osh, osq, b_len, h_len,
+              hkv, q_len, s_len, hd, kv_bf16, threads, 1);
 }
 
 /* One bf16 query row (scaled here by `scale`) over the first n keys / values of a bf16 cache (rows of hd),

@@ -23,9 +23,10 @@ void dspark_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, con
                       int64_t osh, int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len,
                       int64_t hd, int kv_bf16, int threads);
 void dspark_attention_paged(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, const void *k, const void *v,
-                            int64_t kvsh, const int64_t *krows, const uint8_t *mask, void *out, int out_bf16,
-                            int64_t osb, int64_t osh, int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv,
-                            int64_t q_len, int64_t s_len, int64_t hd, int kv_bf16, int threads);
+                            int64_t kvsh, const int64_t *krows, const int64_t *q_off, const int64_t *q_lens,
+                            const uint8_t *mask, void *out, int out_bf16, int64_t osb, int64_t osh, int64_t osq,
+                            int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len, int64_t hd,
+                            int kv_bf16, int threads);
 void dspark_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, uint16_t *y,
                     int threads);
 
@@ -33,15 +34,16 @@ void dspark_int4_mm(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *p
  * projections packed by int4.pack_for_kernel (no biases). RoPE: positions [t], fp32 cos / signed sin tables,
  * q's scale. Cache: the layer's pool [2 hkv, pool_rows, hd], fp32 or bf16 (kv_bf16); the t rows are written at
  * slot[t]. One sequence (krows NULL): its keys are the s_len rows from kv_start, mask [t, s_len] bool. Or b_len
- * sequences of t / b_len rows each, in order (krows [b_len, s_len]: the pool row of each one's key s, read in
- * place by dspark_attention_paged), mask [b_len, t / b_len, s_len]. scratch: bf16 of
+ * sequences, in order, sequence b's q_lens[b] rows from row q_off[b] (krows [b_len, s_len]: the pool row of each
+ * one's key s, read in place by dspark_attention_paged), mask [b_len, q_max, s_len]. scratch: bf16 of
  * t * (5 d + (h + 2 hkv + h) hd + 3 inter) elements; q_buf: fp32 of t * h * hd. */
 static void layer(const uint16_t *x, uint16_t *x_out, int64_t t, int64_t d, const float *ln1, const float *ln2,
                   float eps, const uint8_t *w_qkv, const uint8_t *w_o, const uint8_t *w_gu, const uint8_t *w_down,
                   int64_t h, int64_t hkv, int64_t hd, int64_t inter, const int64_t *pos, const float *cos_t,
                   const float *sin_t, float q_scale, void *pool, int64_t pool_rows, const int64_t *slot,
-                  int64_t kv_start, const int64_t *krows, int64_t b_len, const uint8_t *mask, int64_t s_len,
-                  uint16_t *scratch, float *q_buf, int kv_bf16, int threads) {
+                  int64_t kv_start, const int64_t *krows, const int64_t *q_off, const int64_t *q_lens,
+                  int64_t b_len, int64_t q_max, const uint8_t *mask, int64_t s_len, uint16_t *scratch, float *q_buf,
+                  int kv_bf16, int threads) {
     const int64_t nqkv = (h + 2 * hkv) * hd, natt = h * hd;
     uint16_t *xn = scratch, *qkv = xn + t * d, *att = qkv + t * nqkv, *ho = att + t * natt, *x2 = ho + t * d,
              *xn2 = x2 + t * d, *gu = xn2 + t * d, *act = gu + t * 2 * inter, *m = act + t * inter;
@@ -50,9 +52,8 @@ static void layer(const uint16_t *x, uint16_t *x_out, int64_t t, int64_t d, cons
     dspark_rope_store(qkv, pos, cos_t, sin_t, q_scale, t, h, hkv, hd, q_buf, pool, pool_rows, slot, kv_bf16, threads);
     const size_t el = kv_bf16 ? 2 : 4;
     if (krows) {
-        const int64_t q_len = t / b_len;
-        dspark_attention_paged(q_buf, q_len * natt, hd, natt, pool, (const char *)pool + el * hkv * pool_rows * hd,
-                               pool_rows * hd, krows, mask, att, 1, q_len * natt, hd, natt, b_len, h, hkv, q_len,
+        dspark_attention_paged(q_buf, 0, hd, natt, pool, (const char *)pool + el * hkv * pool_rows * hd,
+                               pool_rows * hd, krows, q_off, q_lens, mask, att, 1, 0, hd, natt, b_len, h, hkv, q_max,
                                s_len, hd, kv_bf16, threads);
     } else {
         const char *k = (const char *)pool + el * kv_start * hd;
@@ -77,7 +78,7 @@ void dspark_layer(const uint16_t *x, uint16_t *x_out, int64_t t, int64_t d, cons
                   int64_t kv_start, const uint8_t *mask, int64_t s_len, uint16_t *scratch, float *q_buf,
                   int kv_bf16, int threads) {
     layer(x, x_out, t, d, ln1, ln2, eps, w_qkv, w_o, w_gu, w_down, h, hkv, hd, inter, pos, cos_t, sin_t, q_scale, pool,
-          pool_rows, slot, kv_start, NULL, 1, mask, s_len, scratch, q_buf, kv_bf16, threads);
+          pool_rows, slot, kv_start, NULL, NULL, NULL, 1, t, mask, s_len, scratch, q_buf, kv_bf16, threads);
 }
 
 /* Every layer of one sequence's step in one call: dspark_layer for layer 0, 1, ... in turn (so the same bits as
@@ -91,15 +92,16 @@ void dspark_layers(const uint16_t *x, uint16_t *x_out, uint16_t *x_tmp, int64_t 
                    int64_t t, int64_t d, float eps, int64_t h, int64_t hkv, int64_t hd, int64_t inter,
                    const int64_t *pos, const float *cos_t, const float *sin_t, float q_scale, void *pool,
                    int64_t layer_stride, int64_t pool_rows, const int64_t *slot, int64_t kv_start,
-                   const int64_t *krows, int64_t b_len, const uint8_t *mask, int64_t s_len, uint16_t *scratch,
-                   float *q_buf, const int64_t *taps, uint16_t *hidden, int64_t hidden_ld, int kv_bf16, int threads) {
+                   const int64_t *krows, const int64_t *q_off, const int64_t *q_lens, int64_t b_len, int64_t q_max,
+                   const uint8_t *mask, int64_t s_len, uint16_t *scratch, float *q_buf, const int64_t *taps,
+                   uint16_t *hidden, int64_t hidden_ld, int kv_bf16, int threads) {
     const uint16_t *cur = x;
     for (int64_t i = 0; i < n_layers; i++) {
         uint16_t *next = (n_layers - 1 - i) % 2 ? x_tmp : x_out;  /* the last layer writes x_out */
         const void *const *wi = w + 6 * i;
         layer(cur, next, t, d, wi[0], wi[1], eps, wi[2], wi[3], wi[4], wi[5], h, hkv, hd, inter, pos, cos_t, sin_t,
-              q_scale, (char *)pool + (kv_bf16 ? 2 : 4) * i * layer_stride, pool_rows, slot, kv_start, krows, b_len,
-              mask, s_len, scratch, q_buf, kv_bf16, threads);
+              q_scale, (char *)pool + (kv_bf16 ? 2 : 4) * i * layer_stride, pool_rows, slot, kv_start, krows, q_off,
+              q_lens, b_len, q_max, mask, s_len, scratch, q_buf, kv_bf16, threads);
         if (taps && taps[i] >= 0)
             for (int64_t r = 0; r < t; r++)
                 memcpy(hidden + r * hidden_ld + taps[i], next + r * d, sizeof(uint16_t) * (size_t)d);
