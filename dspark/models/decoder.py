@@ -237,6 +237,10 @@ class Decoder(nn.Module):
         g = meta.groups[0]
         if g.kv_start is None or g.q_index is not None or g.rows is not None or not g.mask.is_contiguous():
             return False
+        return self._layers_fused()
+
+    def _layers_fused(self) -> bool:
+        """Whether every layer is fusable (DecoderLayer.fusable), found once."""
         if self._fused is None:
             self._fused = all(layer.fusable() for layer in self.layers)
         return self._fused
@@ -245,11 +249,7 @@ class Decoder(nn.Module):
         """Whether this step is several sequences' windows (decodes and verify windows, no prefill chunk:
         AttentionMetadata.windows) on fused layers: csrc/step.c then runs them in one call, attention reading the
         cache in place (dspark_attention_paged, unpadded), with the bits of the layer-by-layer path."""
-        if meta.windows is None or not meta.windows.mask.is_contiguous():
-            return False
-        if self._fused is None:
-            self._fused = all(layer.fusable() for layer in self.layers)
-        return self._fused
+        return meta.windows is not None and meta.windows.mask.is_contiguous() and self._layers_fused()
 
     def _step_in_one_call(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                           meta: AttentionMetadata, logits_rows: torch.Tensor | None,
