@@ -93,6 +93,7 @@ class EngineLoop:
         if self._compute is None:
             self._compute = ComputeThread("dspark-engine-loop")
         self._running = self._compute.submit(self._run)
+        log.info("engine loop started")  # here, not on the loop's thread: before the server says it is ready
 
     def stop(self, timeout: float = 10.0) -> None:
         """Fail what is in flight (the server is going away) and end the loop (and its own thread)."""
@@ -132,7 +133,6 @@ class EngineLoop:
 
     # --- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        log.info("engine loop started")
         while True:
             self._wake.clear()
             if not self._drain():
