@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -49,9 +50,9 @@ def test_engine_loop_runs_on_the_thread_it_is_given(given):
     try:
         with pytest.raises(RuntimeError, match="started already"):
             loop.start()
-        deadline = threading.Event()
-        while not record and not deadline.wait(0.01):
-            pass
+        deadline = time.monotonic() + 10
+        while not record and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert loop.alive
     finally:
         loop.stop(timeout=10)
