@@ -185,7 +185,10 @@ class KVCache:
                                       [query_lens[i] for i in members], [slots[i] for i in members], rows))
         windows = None
         if len(seqs) > 1 and max(query_lens) <= WINDOW_Q:
-            kv_index, mask = self._keys(starts, query_lens, slots)
+            if len(groups) == 1:  # one group of every sequence: the same keys and mask, built once
+                kv_index, mask = groups[0].kv_index, groups[0].mask.squeeze(1)
+            else:
+                kv_index, mask = self._keys(starts, query_lens, slots)
             windows = WindowsRead(q_off=torch.tensor(offsets[:-1]).to(self.device),
                                   q_lens=torch.tensor(list(query_lens)).to(self.device),
                                   kv_index=kv_index.to(self.device), mask=mask.to(self.device))
