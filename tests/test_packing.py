@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models import native
+from dspark.models import native, native_avx2
 from dspark.models.loader import load_decoder, resolve_dtype
 from dspark.models.packing import PackedLinear, pack_linears, packing_supported
 from invariance import assert_embedded_rows_invariant, logits_by_chunks
@@ -109,13 +109,18 @@ def test_invariant_attention_rows_do_not_depend_on_the_window(heads, kv_heads, k
         assert torch.equal(full, invariant_attention(q, k.float(), v.float(), mask, kernels=kernels))
 
 
-@pytest.mark.skipif(native.library() is None, reason=f"dspark's kernels do not run here: {native.why()}")
+@pytest.mark.parametrize("kernel", ["avx512", "avx2"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (4, 2, 128), (2, 1, 32)])
-def test_paged_attention_equals_attention_over_the_gathered_rows(heads, kv_heads, hd, kv_dtype):
-    """native.attention_paged reads each sequence's keys where the cache holds them (scattered blocks, padding
-    pointing at row 0): bit for bit what the kernel gives over the same rows gathered into [Hkv, B, S, hd] first,
-    for sequences of different lengths and query rows (one and several a sequence), fp32 and bf16 caches."""
+def test_paged_attention_equals_attention_over_the_gathered_rows(heads, kv_heads, hd, kv_dtype, kernel):
+    """native.attention_paged (and native_avx2's, on an fp32 cache) reads each sequence's keys where the cache
+    holds them (scattered blocks, padding pointing at row 0): bit for bit what the kernel gives over the same rows
+    gathered into [Hkv, B, S, hd] first, for sequences of different lengths and query rows (one and several a
+    sequence), fp32 and bf16 caches."""
+    if kernel == "avx512" and native.library() is None:
+        pytest.skip(f"dspark's kernels do not run here: {native.why()}")
+    if kernel == "avx2" and (native_avx2.library() is None or kv_dtype != torch.float32):
+        pytest.skip("the AVX2 kernels do not run here" if native_avx2.library() is None else "an fp32 cache only")
     gen = torch.Generator().manual_seed(3)
     pool_rows, s_len, lengths, q_len = 512, 96, [96, 37, 64, 5], 3
     pool = torch.randn(2 * kv_heads, pool_rows, hd, generator=gen).to(kv_dtype)
@@ -129,6 +134,11 @@ def test_paged_attention_equals_attention_over_the_gathered_rows(heads, kv_heads
     q = torch.randn(len(lengths), q_len, heads, hd, generator=gen).transpose(1, 2)  # a strided [B, H, Q, hd] view
     gathered = pool.view(-1, hd).index_select(0, (torch.arange(2 * kv_heads).view(-1, 1) * pool_rows
                                                   + rows.view(1, -1)).view(-1)).view(2 * kv_heads, len(lengths), s_len, hd)
+    if kernel == "avx2":
+        want = native_avx2.attention(q, gathered[:kv_heads], gathered[kv_heads:], mask)
+        assert torch.equal(native_avx2.attention_paged(q, pool, rows, mask), want)
+        assert torch.equal(native_avx2.attention_paged(q[:, :, -1:], pool, rows, mask[:, :, -1:]), want[:, :, -1:])
+        return
     lib = native.loaded() or native.library()
     for out_dtype in (torch.float32, torch.bfloat16):
         want = native.attention(lib, q, gathered[:kv_heads], gathered[kv_heads:], mask, out_dtype)

@@ -85,11 +85,17 @@ class Attention(nn.Module):
             out.index_copy_(0, group.rows, self._attend(q.index_select(0, group.rows), kv_pool, group, dt))
         return self.o_proj.forward(out)
 
-    def _reads_in_place(self, qp: torch.Tensor, kv_pool: torch.Tensor, dt: torch.dtype) -> bool:
-        """Whether _attend's invariant route would run dspark's AVX-512 attention kernel here: then its paged form
-        reads a gathered group's keys from the pool itself (the same bits as over the gathered copy)."""
-        return ((kv_pool.dtype != dt or self.invariant) and self._kernels is True and native.loaded() is not None
-                and native.attention_fits(qp, kv_pool))
+    def _reads_in_place(self, qp: torch.Tensor, kv_pool: torch.Tensor, dt: torch.dtype) -> str | None:
+        """Which of dspark's attention kernels _attend's invariant route would run here ("avx512", "avx2"), or None
+        for neither: then its paged form reads a gathered group's keys from the pool itself (the same bits as over
+        the gathered copy)."""
+        if not (kv_pool.dtype != dt or self.invariant) or not self._kernels:
+            return None
+        if self._kernels is True and native.loaded() is not None:
+            return "avx512" if native.attention_fits(qp, kv_pool) else None
+        if native_avx2.loaded() is not None and native_avx2.attention_fits(qp, kv_pool):
+            return "avx2"  # where invariant_attention would take the AVX2 kernel: "avx2" layers, or no AVX-512 library
+        return None
 
     def _attend(self, q: torch.Tensor, kv_pool: torch.Tensor, g: AttentionGroup, dt: torch.dtype) -> torch.Tensor:
         """One group's attention: q [Tg, H, hd] (scaled, rotated) -> [Tg, H * hd] in dt."""
@@ -100,8 +106,11 @@ class Attention(nn.Module):
         else:
             qp = q.new_zeros(b * g.max_q, h, self.hd).index_copy_(0, g.q_index, q)
             qp = qp.view(b, g.max_q, h, self.hd).transpose(1, 2)
-        if g.kv_start is None and g.kv_index is not None and self._reads_in_place(qp, kv_pool, dt):
+        kernel = self._reads_in_place(qp, kv_pool, dt) if g.kv_start is None and g.kv_index is not None else None
+        if kernel == "avx512":
             out = native.attention_paged(native.loaded(), qp, kv_pool, g.kv_index, g.mask, dt)  # no gather
+        elif kernel == "avx2":
+            out = native_avx2.attention_paged(qp, kv_pool, g.kv_index, g.mask).to(dt)
         else:
             if g.kv_start is not None:  # one sequence in consecutive blocks: a view, no gather
                 kvs = kv_pool[:, g.kv_start:g.kv_start + s].unsqueeze(1)

@@ -60,6 +60,8 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
     lib.dspark_avx2_attention.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P] + [_I64] * 9 + [_INT]
     lib.dspark_avx2_attention.restype = None
+    lib.dspark_avx2_attention_paged.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _P] + [_I64] * 9 + [_INT]
+    lib.dspark_avx2_attention_paged.restype = None
     lib.dspark_avx2_add_rmsnorm.argtypes = [_P, _P, _P, _P, ctypes.c_float, _P, _I64, _I64, _INT]
     lib.dspark_avx2_silu_mul.argtypes = [_P, _P, _I64, _I64, _INT]
     lib.dspark_avx2_rope_store.argtypes = [_P, _P, _P, _P, ctypes.c_float, _I64, _I64, _I64, _I64, _P, _P, _I64, _P,
@@ -121,6 +123,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     _lib.dspark_avx2_attention(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), v.data_ptr(),
                                k.stride(0), k.stride(1), mask.data_ptr(), out.data_ptr(), out.stride(0), out.stride(2),
                                out.stride(1), b, h, k.shape[0], nq, k.shape[2], hd, torch.get_num_threads())
+    return out.transpose(1, 2)
+
+
+def attention_paged(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """attention() over a layer's cache as it is: pool [2 Hkv, pool rows, hd] fp32 (keys, then values), rows [B, S]
+    int64: the pool row of each sequence's key s (padding: any row, masked). The same arithmetic per row as
+    attention() on the rows gathered into [Hkv, B, S, hd], so the same bits, without the copy."""
+    b, h, nq, hd = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    mask, rows = mask.contiguous(), rows.contiguous()
+    hkv = pool.shape[0] // 2
+    out = torch.empty(b, nq, h, hd, dtype=torch.float32)
+    _lib.dspark_avx2_attention_paged(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), pool.data_ptr(),
+                                     pool[hkv].data_ptr(), pool.stride(0), rows.data_ptr(), None, None, mask.data_ptr(),
+                                     out.data_ptr(), out.stride(0), out.stride(2), out.stride(1), b, h, hkv, nq,
+                                     rows.shape[1], hd, torch.get_num_threads())
     return out.transpose(1, 2)
 
 
