@@ -13,7 +13,7 @@ from dspark.models import native
 from dspark.models.int4 import GROUP, Int4Linear, fit_int4, pack_for_kernel
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
 from dspark.models.loader import load_decoder
-from invariance import batched_logits, logits_by_chunks
+from invariance import assert_windows_step_in_one_call, hidden_of_a_window, logits_by_chunks
 from rounding import rows_rounded_to_8bit
 
 lib = native.library()
@@ -141,44 +141,21 @@ def test_decoder_on_kernels_matches_pytorch_ops_and_windows_do_not_matter(embedd
     assert (one.argmax(-1) == logits_by_chunks(ref, ids, [32] + [1] * 16).argmax(-1)).float().mean() >= 0.9
     assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
     assert dec._fused  # one sequence: every layer ran fused (csrc/layer.c), the whole step in one call ...
-    hidden = _hidden_of_a_window(dec, ids, (28, 1, 8))
+    hidden = hidden_of_a_window(dec, ids, (28, 1, 8))
     assert dec._weights  # (dspark_step ran)
     dec._weights = False  # ... with the same bits, taps included, as one call per layer ...
     assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
-    assert torch.equal(_hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
+    assert torch.equal(hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
     dec._fused = False  # ... and as the layer-by-layer path that batches take
     assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
-    assert torch.equal(_hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
+    assert torch.equal(hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
 
 
 def test_several_sequences_windows_step_in_one_call(embedded_dir, monkeypatch):
-    """Decodes and verify windows of several sequences (a token each, windows of one length, of mixed lengths):
-    csrc/step.c runs them in one call, attention reading the cache in place (their blocks interleaved in the
-    pool), with the same bits as the layer-by-layer path and as each sequence decoded alone; a step with a
-    prefill chunk longer than a window keeps the layer-by-layer path."""
+    """Decodes and verify windows of several sequences: csrc/step.c runs them in one call (attention reading the
+    cache in place), with the bits of the layer-by-layer path and of each sequence alone (invariance.py)."""
     dec = load_decoder(embedded_dir, dtype=torch.bfloat16, quantization="auto")
-    gen = torch.Generator().manual_seed(5)
-    streams = [torch.randint(1000, (n,), generator=gen) for n in (50, 41, 60, 25)]
-    plan = [{0: 30}, {1: 25}, {2: 33}, {0: 1, 1: 1, 2: 1}, {0: 4, 1: 4, 2: 4}, {0: 1, 1: 1, 2: 1}, {0: 3, 2: 3},
-            {0: 2, 1: 5, 2: 1}, {0: 1, 1: 1, 3: 20}]
-    lib, b_lens = native.loaded(), []
-    step = lib.dspark_step
-
-    def spy(*args):
-        b_lens.append(args[24])  # b_len: how many sequences the call ran
-        return step(*args)
-
-    monkeypatch.setattr(lib, "dspark_step", spy)
-    one_call = batched_logits(dec, streams, plan)
-    assert b_lens == [1, 1, 1, 3, 3, 3, 2, 3]  # the last step (a 20-token prefill beside decodes): by layers
-    dec._weights = False  # the layer-by-layer path, attention on the same kernel
-    by_layers = batched_logits(dec, streams, plan)
-    assert len(b_lens) == 8
-    for seq, (got, want) in enumerate(zip(one_call, by_layers)):
-        assert torch.equal(got, want), seq
-        firsts = [step[seq] for step in plan if seq in step]
-        alone = batched_logits(dec, [streams[seq]], [{0: n} for n in firsts])[0]
-        assert torch.equal(got, alone), seq
+    assert_windows_step_in_one_call(dec, native.loaded(), "dspark_step", monkeypatch)
 
 
 def test_the_one_call_step_refuses_ids_outside_the_vocabulary(embedded_dir):
@@ -191,18 +168,6 @@ def test_the_one_call_step_refuses_ids_outside_the_vocabulary(embedded_dir):
         dec(torch.tensor([5, dec.config.vocab_size]), torch.arange(2), cache, cache.prepare(["s"], [2]),
             logits_rows=torch.arange(2))
     assert dec._weights  # the step itself refused them
-
-
-def _hidden_of_a_window(dec, ids, layers):
-    """The outputs of `layers` (side by side) for a window of 8 tokens after 40 cached ones."""
-    cache = dec.new_cache(4)
-    with torch.inference_mode():
-        for start, n in ((0, 40), (40, 8)):
-            cache.reserve("s", start + n)
-            out = dec(ids[start:start + n], torch.arange(start, start + n), cache, cache.prepare(["s"], [n]),
-                      hidden_layers=layers)
-    assert out.hidden.shape == (8, len(layers) * dec.config.hidden_size)
-    return out.hidden
 
 
 @pytest.mark.parametrize("head_dim", [16, 64])

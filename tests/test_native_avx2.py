@@ -14,7 +14,8 @@ from dspark.models import int4, native, native_avx2, q8
 from dspark.models.int4 import GROUP, Int4Linear
 from dspark.models.loader import load_decoder
 from dspark.models.q8 import Q8Linear
-from invariance import assert_embedded_rows_invariant
+from invariance import (assert_embedded_rows_invariant, assert_windows_step_in_one_call, hidden_of_a_window,
+                        logits_by_chunks)
 from rounding import rows_rounded_to_8bit
 
 pytestmark = pytest.mark.skipif(native_avx2.library() is None, reason=f"no AVX2 kernels: {native_avx2.why()}")
@@ -130,6 +131,38 @@ def test_embedded_model_in_fp32_keeps_its_4bit_layers_and_8bit_head(embedded_dir
     assert_embedded_rows_invariant(dec)  # ... with the bits of the per-op path that steps of two sequences take
     dense = load_decoder(embedded_dir, dtype=torch.float32, quantization="none")
     assert dense.weight_format == "float32"
+
+
+def test_a_step_in_one_call_has_the_bits_of_the_calls_one_by_one(embedded_dir, monkeypatch):
+    """The fp32 model on the AVX2 kernels runs a step as one call (csrc/avx2_step.c: the embedding, every layer,
+    the final norm and the 8-bit head), for one sequence and for several sequences' windows, with the bits of a
+    call per layer (csrc/avx2_layer.c) and of the per-op path, taps included; ids outside the vocabulary are an
+    IndexError from the call itself."""
+    dec = load_decoder(embedded_dir, dtype=torch.float32, quantization="auto")
+    lib, calls = native_avx2.loaded(), []
+    step = lib.dspark_avx2_step
+    monkeypatch.setattr(lib, "dspark_avx2_step", lambda *args: calls.append(args[3]) or step(*args))
+    ids = torch.randint(1000, (48,), generator=torch.Generator().manual_seed(7))
+    one = logits_by_chunks(dec, ids, [32] + [1] * 16)
+    hidden = hidden_of_a_window(dec, ids, (28, 1, 8))
+    assert calls == [32] + [1] * 16 + [40, 8]  # every step one call
+    assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
+    weights, dec._weights = dec._weights, False  # a call per layer ...
+    assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
+    assert torch.equal(hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
+    dec._fused = False  # ... and the per-op path
+    assert torch.equal(logits_by_chunks(dec, ids, [32, 8, 3, 5]), one)
+    assert torch.equal(hidden_of_a_window(dec, ids, (28, 1, 8)), hidden)
+    assert len(calls) == 19 + 4  # none past the [32, 8, 3, 5] check
+    dec._fused, dec._weights = None, weights
+    cache = dec.new_cache(4)
+    cache.reserve("s", 2)
+    with torch.inference_mode(), pytest.raises(IndexError, match="token ids"):
+        dec(torch.tensor([5, dec.config.vocab_size]), torch.arange(2), cache, cache.prepare(["s"], [2]),
+            logits_rows=torch.arange(2))
+    assert len(calls) == 24  # the step itself refused them
+    monkeypatch.undo()
+    assert_windows_step_in_one_call(dec, lib, "dspark_avx2_step", monkeypatch)
 
 
 def test_speculative_decoding_is_lossless_on_the_avx2_kernels():

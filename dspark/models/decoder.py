@@ -260,18 +260,32 @@ class Decoder(nn.Module):
         cache in place (dspark_attention_paged, unpadded), with the bits of the layer-by-layer path."""
         return meta.windows is not None and meta.windows.mask.is_contiguous() and self._layers_fused()
 
+    def _one_call_library(self) -> str | None:
+        """Which library's one-call step (csrc/step.c: "avx512", bf16 rows; csrc/avx2_step.c: "avx2", fp32 rows on
+        the AVX2 layers and an fp32 cache) can run this model's steps, or None: every layer fused on that library's
+        kernels, the embedding contiguous on a CPU."""
+        w = self.embed_tokens.weight
+        if w.device.type != "cpu" or not w.is_contiguous() or not self._layers_fused():
+            return None
+        kernel = getattr(self.layers[0].self_attn.qkv_proj, "_kernel", None)
+        if self._kernel_rope and w.dtype == torch.bfloat16 and kernel == "dspark":
+            return "avx512"
+        if self._avx2_rope and w.dtype == torch.float32 and kernel == "avx2" and self.kv_dtype == torch.float32:
+            return "avx2"
+        return None
+
     def _step_in_one_call(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                           meta: AttentionMetadata, logits_rows: torch.Tensor | None,
                           hidden_layers: tuple[int, ...]) -> DecoderOutput | None:
-        """forward() as one kernel call (csrc/step.c: the embedding, every layer, the final norm and the 8-bit LM
-        head, the same kernels as the calls one by one, so the same bits), or None where that call does not run:
-        bf16 rows on dspark's kernels, every layer fused (DecoderLayer.forward_fused), one sequence reading
-        consecutive cache rows or several sequences' windows (_windows_fused), no layer tapped twice. Any other LM
-        head runs after it here."""
+        """forward() as one kernel call (csrc/step.c on bf16 rows, csrc/avx2_step.c on fp32 rows: the embedding,
+        every layer, the final norm and the 8-bit LM head, the same kernels as the calls one by one, so the same
+        bits), or None where that call does not run (_one_call_library): one sequence reading consecutive cache
+        rows or several sequences' windows (_windows_fused), no layer tapped twice. Any other LM head runs after
+        it here."""
         c, w = self.config, self.embed_tokens.weight
         t = input_ids.shape[0]
-        if not (self._kernel_rope and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
-                and len(set(hidden_layers)) == len(hidden_layers)):
+        library = self._one_call_library()
+        if library is None or len(set(hidden_layers)) != len(hidden_layers):
             return None
         paged = not self._one_sequence(meta)
         if paged and not self._windows_fused(meta):
@@ -290,25 +304,31 @@ class Decoder(nn.Module):
             taps = self._taps[hidden_layers] = taps
         hidden = w.new_empty(t, len(hidden_layers) * d) if hidden_layers else None
         head = self.lm_head_q8
-        on_kernel = head is not None and not head.avx2 and head.bias is None
+        on_kernel = head is not None and head.avx2 == (library == "avx2") and head.bias is None
         rows = None if logits_rows is None else logits_rows.to(torch.int64).contiguous()
         n = 0 if rows is None else rows.shape[0]
         logits = torch.empty(n, head._rows, dtype=torch.float32) if n and on_kernel else None
         x_out = w.new_empty(t, d) if n and not on_kernel else None
         ids, pos = input_ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
         cos, sin = self.rotary.tables(pos)
-        status = native.loaded().dspark_step(
+        args = [
             ids.data_ptr(), w.data_ptr(), w.shape[0], t, len(self.layers), pointers.data_ptr(), d, eps, a.h, a.hkv,
             a.hd, c.intermediate_size, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), a.hd ** -0.5, kv.data_ptr(),
             kv.stride(0), kv.shape[2], meta.slot_mapping.data_ptr(), 0 if paged else g.kv_start,
             *((g.kv_index.data_ptr(), g.q_off.data_ptr(), g.q_lens.data_ptr(), g.mask.shape[0], g.mask.shape[1])
               if paged else (None, None, None, 1, t)), g.mask.data_ptr(), g.mask.shape[-1],
             taps.data_ptr() if hidden_layers else None, None if hidden is None else hidden.data_ptr(),
-            0 if hidden is None else hidden.shape[1], int(kv.dtype == torch.bfloat16),
-            None if x_out is None else x_out.data_ptr(), self.norm._cached_weight(None).data_ptr(), self.norm.eps,
-            head.packed.data_ptr() if logits is not None else None, head._rows if logits is not None else 0,
-            int(logits is not None and head.vnni), None if rows is None else rows.data_ptr(),
-            n if logits is not None else 0, None if logits is None else logits.data_ptr(), torch.get_num_threads())
+            0 if hidden is None else hidden.shape[1]]
+        out_args = [None if x_out is None else x_out.data_ptr(), self.norm._cached_weight(None).data_ptr(),
+                    self.norm.eps, head.packed.data_ptr() if logits is not None else None,
+                    head._rows if logits is not None else 0]
+        logit_args = [None if rows is None else rows.data_ptr(), n if logits is not None else 0,
+                      None if logits is None else logits.data_ptr(), torch.get_num_threads()]
+        if library == "avx2":
+            status = native_avx2.loaded().dspark_avx2_step(*args, *out_args, *logit_args)
+        else:
+            status = native.loaded().dspark_step(*args, int(kv.dtype == torch.bfloat16), *out_args,
+                                                 int(logits is not None and head.vnni), *logit_args)
         if status:
             raise IndexError(f"token ids must be in [0, {w.shape[0]})" if status == -1 else "logits rows out of range")
         if x_out is not None:  # an LM head the step does not run
@@ -375,7 +395,7 @@ class Decoder(nn.Module):
             scratch = x.new_empty(t * (5 * c.hidden_size + (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim
                                        + 3 * c.intermediate_size))
             q_buf = torch.empty(t * c.num_heads * c.head_dim, dtype=torch.float32)
-            # where _step_in_one_call does not run: fp32 rows (the AVX2 library), a layer tapped twice
+            # where _step_in_one_call does not run: a layer tapped twice, an LM head of another kind
             for i, (layer, pool) in enumerate(zip(self.layers, cache.kv.unbind(0))):
                 x = layer.forward_fused(x, rope, pool, meta, scratch, q_buf)
                 if i in wanted:
