@@ -143,8 +143,8 @@ def main() -> None:
         c = other.config
         name = f"{path} ({c.num_layers} layers, Markov rank {c.markov_rank})"
         routes[name] = (other, (other.runner()._fused_layers, other.runner()._fused_context))
-    print(f"weights: {dec.weight_format}; drafter layers fused: {runner._fused_layers}, "
-          f"context fused: {runner._fused_context}")
+    print(f"weights: {dec.weight_format}; drafter layers fused: {runner._fused_layers or runner._avx2_layers}, "
+          f"context fused: {runner._fused_context or runner._avx2_context}")
     for n in (None, 1):
         step, rounds = round_seconds(routes, dec, sizes, args.repeats, n, hot=args.hot)
         label = "whole block" if n is None else "one draft"

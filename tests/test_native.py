@@ -13,6 +13,7 @@ from dspark.models import native
 from dspark.models.int4 import GROUP, Int4Linear, fit_int4, pack_for_kernel
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
 from dspark.models.loader import load_decoder
+from drafter_for_kernels import kernel_drafter
 from invariance import assert_windows_step_in_one_call, hidden_of_a_window, logits_by_chunks
 from rounding import rows_rounded_to_8bit
 
@@ -299,22 +300,6 @@ def test_markov_greedy_breaks_ties_to_the_lowest_id_like_argmax():
     assert tokens.tolist() == [[7, 7, 7], [5, 5, 5]]  # ids 37 and 5 through d2t (id % 10)
 
 
-def _drafter(dtype=torch.bfloat16, pack=True, head_dim=16):
-    from dspark.drafters import DrafterConfig, DSparkDrafter
-
-    gen = torch.Generator().manual_seed(3)
-    v, d = 400, 64
-    heads = d // head_dim
-    cfg = DrafterConfig(hidden_size=d, intermediate_size=128, num_attention_heads=heads,
-                        num_key_value_heads=heads // 2, head_dim=head_dim, vocab_size=v, target_layer_ids=(0, 2), mask_token_id=v - 1, num_layers=2,
-                        block_size=5, markov_rank=16)
-    torch.manual_seed(3)
-    model = DSparkDrafter(cfg, torch.randn(v, d, generator=gen), torch.randn(v, d, generator=gen))
-    model.init_weights(0.2)
-    model = model.to(dtype).eval()
-    return model.pack() if pack else model
-
-
 @pytest.mark.parametrize("head_dim", [16, 32])  # 32: RoPE and the block's K/V write in one kernel call
 def test_packed_drafter_on_kernels_drafts_like_the_pytorch_route(head_dim):
     """The kernels' round (fp32 attention over one key matrix per head, every greedy pick in one call)
@@ -324,7 +309,7 @@ def test_packed_drafter_on_kernels_drafts_like_the_pytorch_route(head_dim):
     be no further off."""
     from dspark.drafters.runner import DraftRunner
 
-    model, exact = _drafter(head_dim=head_dim), _drafter(torch.float32, pack=False, head_dim=head_dim)
+    model, exact = kernel_drafter(head_dim=head_dim), kernel_drafter(torch.float32, pack=False, head_dim=head_dim)
     kernels = model.runner()
     assert kernels._native and kernels._chain is not None
     torch_route = DraftRunner(model, pack=True)
@@ -355,7 +340,7 @@ def test_a_greedy_round_in_one_call_drafts_what_the_calls_one_by_one_draft(weigh
     """DraftRunner.greedy_block (csrc/draft_block.c) against block() then greedy_picks(): the same kernels in the
     same order, so the same drafts and confidence logits bit for bit, for one request (its fp32 cache read where it
     lies), for several of different lengths (copied side by side) and for fewer drafts than the block."""
-    model = _drafter(pack=False, head_dim=32).pack(weight_bits=weight_bits)
+    model = kernel_drafter(pack=False, head_dim=32).pack(weight_bits=weight_bits)
     runner = model.runner()
     assert runner._plan is not None
     feats = torch.randn(60, 2 * 64, generator=torch.Generator().manual_seed(5)).bfloat16()
@@ -379,7 +364,7 @@ def test_4bit_drafter_computes_its_weights_on_the_fused_calls():
     as fused calls (head_dim 32). On weights that already are 4-bit groups the 4-bit route loses nothing the
     8-bit one keeps: both round the rows to 8 bits, so against the fp32 drafter the 4-bit round must be no
     further off than the 8-bit round (a wrong layout or argument would be far off)."""
-    exact = _drafter(torch.float32, pack=False, head_dim=32)
+    exact = kernel_drafter(torch.float32, pack=False, head_dim=32)
     with torch.no_grad():  # every packed matrix onto its 4-bit grid (in fp32)
         mats = [exact.fc.weight, exact.lm_head] + [m.weight for layer in exact.layers for m in layer.modules()
                                                    if isinstance(m, torch.nn.Linear)]
@@ -404,4 +389,4 @@ def test_4bit_drafter_computes_its_weights_on_the_fused_calls():
     err = {k: (out[k].logits.float() - out["fp32"].logits).abs().mean().item() for k in ("w4", "w8")}
     assert err["w4"] <= 1.25 * err["w8"], err
     with pytest.raises(ValueError, match="weight_bits must be 4 or 8"):
-        _drafter(pack=False).pack(weight_bits=2)
+        kernel_drafter(pack=False).pack(weight_bits=2)

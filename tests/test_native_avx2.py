@@ -14,6 +14,7 @@ from dspark.models import int4, native, native_avx2, q8
 from dspark.models.int4 import GROUP, Int4Linear
 from dspark.models.loader import load_decoder
 from dspark.models.q8 import Q8Linear
+from drafter_for_kernels import kernel_drafter
 from invariance import (assert_embedded_rows_invariant, assert_windows_step_in_one_call, hidden_of_a_window,
                         logits_by_chunks)
 from rounding import rows_rounded_to_8bit
@@ -163,6 +164,66 @@ def test_a_step_in_one_call_has_the_bits_of_the_calls_one_by_one(embedded_dir, m
     assert len(calls) == 24  # the step itself refused them
     monkeypatch.undo()
     assert_windows_step_in_one_call(dec, lib, "dspark_avx2_step", monkeypatch)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_fp32_drafter_runs_its_layers_and_context_in_one_call_each(head_dim):
+    """A packed fp32 drafter on the AVX2 kernels: its context projection and each layer of the block pass one call
+    (csrc/avx2_drafter.c), against the same packed weights op by op, both measured against the unpacked fp32
+    drafter, for requests of different lengths and then one (the context buffer reused). Both round rows to 8-bit
+    groups, so neither is exact; the calls' drafts must be no further off (a wrong layout or argument would be far
+    off)."""
+    from dspark.drafters.runner import DraftRunner
+
+    model, exact = kernel_drafter(torch.float32, head_dim=head_dim), kernel_drafter(torch.float32, pack=False,
+                                                                                   head_dim=head_dim)
+    calls = model.runner()
+    assert calls._avx2_layers and calls._avx2_context and calls._kernel_ctx and not calls._native
+    by_ops = DraftRunner(model, pack=True)
+    by_ops._avx2_layers = by_ops._avx2_context = by_ops._kernel_ctx = False
+    feats = torch.randn(40, 2 * 64, generator=torch.Generator().manual_seed(4))
+    # the context projection: the same kernels as op by op but RoPE and the keys' norm, so all but equal
+    torch.testing.assert_close(calls.context_kv(feats, torch.arange(40)), by_ops.context_kv(feats, torch.arange(40)),
+                               rtol=1e-5, atol=1e-5)
+    for lengths in ([31, 9, 20], [6]):
+        anchors = [11, 200, 3][:len(lengths)]
+        out = {}
+        for name, m, runner in (("calls", model, calls), ("ops", model, by_ops), ("fp32", exact, None)):
+            m._runner = runner if runner is not None else m._runner
+            caches = [m.new_cache() for _ in lengths]
+            m.extend_many(caches, [feats[:n] for n in lengths], [0] * len(lengths))
+            out[name] = m.draft(caches, anchors, lengths)
+        model._runner = calls
+
+        def err(name):
+            return (out[name].logits.float() - out["fp32"].logits).abs().mean()
+
+        assert err("calls") <= 1.25 * err("ops"), (err("calls"), err("ops"))
+        assert (out["calls"].tokens == out["ops"].tokens).float().mean() >= 0.8
+
+
+def test_fp32_drafter_picks_greedy_drafts_in_one_call():
+    """Greedy drafts through the vanilla Markov head in one call on fp32 rows (csrc/avx2_drafter.c): the same picks
+    and confidence logits as step() op by op (the same 8-bit matmul for the bias), for requests of different
+    lengths and fewer drafts than the block; anchor ids outside the vocabulary are a ValueError."""
+    model = kernel_drafter(torch.float32, head_dim=32, markov_rank=32)
+    runner = model.runner()
+    assert runner._avx2_chain
+    feats = torch.randn(60, 2 * 64, generator=torch.Generator().manual_seed(5))
+    for lengths, anchors, n in (([31], [7], 5), ([31, 9, 50], [11, 200, 3], 5), ([12, 40], [5, 6], 2)):
+        caches = [model.new_cache() for _ in lengths]
+        model.extend_many(caches, [feats[:k] for k in lengths], [0] * len(lengths))
+        one_call = model.draft(caches, anchors, lengths, num_drafts=n, return_logits=False)
+        runner._avx2_chain = False  # step() per position
+        try:
+            by_ops = model.draft(caches, anchors, lengths, num_drafts=n, return_logits=False)
+        finally:
+            runner._avx2_chain = True
+        assert one_call.tokens.shape == (len(lengths), n)
+        assert torch.equal(one_call.tokens, by_ops.tokens)
+        assert torch.equal(one_call.conf_logits, by_ops.conf_logits)
+    with pytest.raises(ValueError, match="anchor ids"):  # W1 is read by id: nothing past it
+        runner.greedy_picks(torch.tensor([400]), torch.zeros(1, 2, runner.vd), None, None)
 
 
 def test_speculative_decoding_is_lossless_on_the_avx2_kernels():

@@ -73,12 +73,13 @@ def _fused(linears, pack: bool, bits: int = 8) -> Linear:
     return _linear(torch.cat([lin.weight for lin in linears]), bias, pack, bits)
 
 
-def _on_kernel(lin: Linear, w4: bool) -> bool:
+def _on_kernel(lin: Linear, w4: bool, avx2: bool = False) -> bool:
     """Whether a projection is one the fused kernel calls take (csrc/layer.c): no bias or padded rows, on
-    the 4-bit kernel where w4, else the 8-bit VNNI one."""
+    the 4-bit kernel where w4, else the 8-bit VNNI one; with avx2 (csrc/avx2_drafter.c), the 8-bit AVX2 one."""
     if w4:
         return isinstance(lin, Int4Linear) and lin._native and lin.bias is None and lin._rows == lin.out_features
-    return isinstance(lin, Q8Linear) and lin.vnni and lin.bias is None and lin._rows == lin.out_features
+    return (isinstance(lin, Q8Linear) and (lin.avx2 if avx2 else lin.vnni) and lin.bias is None
+            and lin._rows == lin.out_features)
 
 
 class _Layer:
@@ -96,9 +97,12 @@ class _Layer:
         self.intermediate = layer.mlp.intermediate
 
 
-def _fusable(layer: _Layer, head_dim: int, w4: bool) -> bool:
-    """Whether a layer runs as one kernel call (dspark_drafter_layer): projections _on_kernel, shapes the
-    kernels take."""
+def _fusable(layer: _Layer, head_dim: int, w4: bool, avx2: bool = False) -> bool:
+    """Whether a layer runs as one kernel call (dspark_drafter_layer; with avx2, dspark_avx2_drafter_layer):
+    projections _on_kernel, shapes the kernels take."""
+    if avx2:
+        return (all(_on_kernel(lin, False, True) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+                and head_dim % 16 == 0 and head_dim <= 256 and layer.intermediate % 8 == 0)
     return (all(_on_kernel(lin, w4) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
             and head_dim % 32 == 0 and layer.intermediate % 16 == 0)
 
@@ -169,6 +173,16 @@ class DraftRunner:
         self._fused_layers = self._native and all(_fusable(layer, c.head_dim, self._w4) for layer in self.layers)
         self._fused_context = (self._native and c.head_dim % 32 == 0 and c.hidden_size % 16 == 0
                                and all(_on_kernel(lin, self._w4) for lin in (self.fc, self.ctx_kv)))
+        # an fp32 drafter on the AVX2 kernels: its layers, context projection and greedy picks one call each
+        avx2 = (pack and not self._native and native_avx2.library() is not None
+                and drafter.fc.weight.dtype == torch.float32 and c.hidden_size % 8 == 0)
+        self._avx2_layers = avx2 and all(_fusable(layer, c.head_dim, False, True) for layer in self.layers)
+        self._avx2_context = (avx2 and c.head_dim % 16 == 0 and c.head_dim <= 256
+                              and all(_on_kernel(lin, False, True) for lin in (self.fc, self.ctx_kv)))
+        self._kernel_ctx = self._native or self._avx2_layers  # _context's layout: a cache pool per layer, fp32
+        # greedy picks through the vanilla Markov head in one call on fp32 rows (csrc/avx2_drafter.c)
+        self._avx2_chain = (avx2 and isinstance(self.token_rows, Q8Linear) and self.token_rows.avx2
+                            and self.token_rows.bias is None and mh.markov_w1.weight.dtype == torch.float32)
         self._ctx_k_gains = (None if self.ctx_k_norms is None else  # [layers, hd] fp32, for the fused call
                              torch.stack([norm._cached_weight(None) for norm in self.ctx_k_norms]).contiguous())
         self._chain = None  # (W1, packed W2, confidence token half): greedy picks in one call (markov.c)
@@ -228,6 +242,8 @@ class DraftRunner:
         dr, n = self.drafter, features.shape[0]
         if self._native and self._fused_context and features.dtype == torch.bfloat16 and features.is_contiguous():
             return self._context_kv_fused(features, positions)
+        if self._avx2_context and features.dtype == torch.float32 and features.is_contiguous():
+            return self._context_kv_avx2(features, positions)
         ctx = dr.hidden_norm(self.fc(features.to(dr.fc.weight.dtype)))
         kv = self.ctx_kv(ctx).view(n, len(self.layers), 2, self.kv_heads, self.head_dim)
         k = kv[:, :, 0]
@@ -256,6 +272,23 @@ class DraftRunner:
             None if norms is None else norms.data_ptr(), 1e-6 if norms is None else self.ctx_k_norms[0].eps,
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), scratch.data_ptr(), xq.data_ptr(),
             e.data_ptr(), sx.data_ptr(), int(self._w4), torch.get_num_threads())
+        return out
+
+    def _context_kv_avx2(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """context_kv() as one kernel call on fp32 rows (csrc/avx2_drafter.c, dspark_avx2_drafter_context)."""
+        dr, (n, k_in), d = self.drafter, features.shape, self.drafter.config.hidden_size
+        layers, hkv, hd = len(self.layers), self.kv_heads, self.head_dim
+        out = torch.empty(n, layers, 2, hkv, hd, dtype=torch.float32)
+        scratch = torch.empty(n * d, dtype=torch.float32)
+        positions = positions.to(torch.int64).contiguous()
+        cos, sin = dr.rotary.tables(positions)
+        norms = self._ctx_k_gains
+        native_avx2.loaded().dspark_avx2_drafter_context(
+            features.data_ptr(), n, k_in, d, self.fc.packed.data_ptr(), dr.hidden_norm._cached_weight(None).data_ptr(),
+            dr.hidden_norm.eps, self.ctx_kv.packed.data_ptr(), layers, hkv, hd,
+            None if norms is None else norms.data_ptr(), 1e-6 if norms is None else self.ctx_k_norms[0].eps,
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+            torch.get_num_threads())
         return out
 
     @torch.no_grad()
@@ -288,7 +321,7 @@ class DraftRunner:
         pos = block_positions(anchor_pos, g).reshape(-1)
         x = dr.embed_weight[dr._block_ids(anchors)].reshape(r * g, -1).to(dr.fc.weight.dtype)
         n = num_drafts or g
-        if self._native:
+        if self._kernel_ctx:
             h = self._backbone_on_kernels(x, ctx, lengths, pos, r).view(r, g, -1)
             h = h[:, :n].contiguous() if n < g else h
         else:
@@ -315,14 +348,15 @@ class DraftRunner:
         r, length = len(caches), max(c.length for c in caches)
         ref = caches[0].kv
         layers, _, kvh, _, hd = ref.shape
-        shape = (layers, 2, kvh, r, length + self.gamma, hd) if self._native else (layers, 2, r, kvh, length, hd)
+        kernel = self._kernel_ctx
+        shape = (layers, 2, kvh, r, length + self.gamma, hd) if kernel else (layers, 2, r, kvh, length, hd)
         need = math.prod(shape)
         have = 0 if self._ctx_buf is None else self._ctx_buf.numel()
         if have < need:  # (the caches may be fp32 where the drafter is not: DSparkDrafter.new_cache)
             self._ctx_buf = ref.new_empty(max(need, 2 * have),
-                                          dtype=torch.float32 if self._native else self.drafter.fc.weight.dtype)
+                                          dtype=torch.float32 if kernel else self.drafter.fc.weight.dtype)
         ctx = self._ctx_buf[:need].view(shape)
-        per_request = ctx.transpose(2, 3) if self._native else ctx  # [layers, 2, R, kvh, rows, hd]
+        per_request = ctx.transpose(2, 3) if kernel else ctx  # [layers, 2, R, kvh, rows, hd]
         for i, c in enumerate(caches):
             per_request[:, :, i, :, :c.length] = c.filled()
             if c.length < length:
@@ -340,7 +374,7 @@ class DraftRunner:
         slots = (torch.arange(r).unsqueeze(1) * rows + length + torch.arange(g)).reshape(-1)  # block rows in the pool
         cos, sin = dr.rotary.tables(pos)
         xn = self.layers[0].input_norm(x)
-        if self._fused_layers:
+        if self._fused_layers or self._avx2_layers:
             return self._layers_fused(x, xn, ctx, mask, pos, cos, sin, slots, r)
         for i, layer in enumerate(self.layers):
             a = self._attention_on_kernels(layer, xn, ctx[i], mask, pos, cos, sin, slots, r)
@@ -357,12 +391,29 @@ class DraftRunner:
     def _layers_fused(self, x: torch.Tensor, xn: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor,
                       pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                       r: int) -> torch.Tensor:
-        """_backbone_on_kernels' layers, one kernel call each (csrc/layer.c, dspark_drafter_layer)."""
+        """_backbone_on_kernels' layers, one kernel call each (csrc/layer.c, dspark_drafter_layer; fp32 rows on the
+        AVX2 kernels: csrc/avx2_drafter.c, dspark_avx2_drafter_layer)."""
         dr, lib = self.drafter, native.loaded()
         h, hkv, hd, g = self.num_heads, self.kv_heads, self.head_dim, self.gamma
         t, d, inter = x.shape[0], x.shape[1], self.layers[0].intermediate
         scratch = x.new_empty(t * (3 * d + (2 * h + 2 * hkv) * hd + 3 * inter))
         q_buf = torch.empty(t * h * hd, dtype=torch.float32)
+        if self._avx2_layers:
+            for i, layer in enumerate(self.layers):
+                nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else dr.norm
+                x_out, xn_out = torch.empty_like(x), torch.empty_like(x)
+                native_avx2.loaded().dspark_avx2_drafter_layer(
+                    x.data_ptr(), xn.data_ptr(), x_out.data_ptr(), xn_out.data_ptr(), r, g, d,
+                    layer.post_norm._cached_weight(None).data_ptr(), nxt._cached_weight(None).data_ptr(),
+                    layer.post_norm.eps, layer.qkv.packed.data_ptr(), layer.o.packed.data_ptr(),
+                    layer.gate_up.packed.data_ptr(), layer.down.packed.data_ptr(),
+                    None if layer.q_norm is None else layer.q_norm._cached_weight(None).data_ptr(),
+                    None if layer.k_norm is None else layer.k_norm._cached_weight(None).data_ptr(),
+                    1e-6 if layer.q_norm is None else layer.q_norm.eps, h, hkv, hd, inter, pos.data_ptr(),
+                    cos.data_ptr(), sin.data_ptr(), hd ** -0.5, ctx[i].data_ptr(), ctx.shape[4], ctx.shape[4],
+                    slots.data_ptr(), mask.data_ptr(), scratch.data_ptr(), q_buf.data_ptr(), torch.get_num_threads())
+                x, xn = x_out, xn_out
+            return xn
         widest = max(d, h * hd, inter)
         xq = torch.empty(t * widest, dtype=torch.int8)
         e = torch.empty(t * widest // Q8_GROUP, dtype=torch.float32)
@@ -452,11 +503,36 @@ class DraftRunner:
         """Greedy drafts of every position at once through the vanilla Markov head on dspark's kernel:
         anchors [R] target ids, base [R, n, Vd] and conf [R, n] from block() -> (target ids [R, n],
         confidence logits [R, n] or None); None where the kernel does not run (then step() per position)."""
+        if self._avx2_chain and base.dtype == torch.float32:
+            return self._greedy_picks_avx2(anchors, base, conf, d2t)
         if self._chain is None or native.loaded() is None or base.dtype != torch.bfloat16:
             return None
         w1, w2, w_tok = self._chain
         return native.markov_greedy(native.loaded(), anchors, base, w1, w2, w_tok if conf is not None else None,
                                     conf, d2t)
+
+    def _greedy_picks_avx2(self, anchors: torch.Tensor, base: torch.Tensor, conf: torch.Tensor | None,
+                           d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """greedy_picks() on fp32 rows (csrc/avx2_drafter.c, dspark_avx2_markov_greedy): step()'s arithmetic per
+        position, the same 8-bit matmul for the Markov bias and the confidence's token half, so the same picks."""
+        r, n, vd = base.shape
+        w1, rows = self.markov.markov_w1.weight.detach(), self.token_rows
+        if r and n and not 0 <= int(anchors.min()) <= int(anchors.max()) < w1.shape[0]:
+            raise ValueError(f"anchor ids must be in [0, {w1.shape[0]})")
+        w1 = w1.float().contiguous()
+        base = base if base.stride(-1) == 1 else base.contiguous()
+        anchors = anchors.to(torch.int64).contiguous()
+        tokens = torch.empty(r, n, dtype=torch.int64)
+        conf = None if conf is None else conf.float().contiguous()
+        conf_out = None if conf is None else torch.empty(r, n, dtype=torch.float32)
+        d2t = None if d2t is None else d2t.to(torch.int64).contiguous()
+        scratch = torch.empty(r * (w1.shape[1] + rows._rows), dtype=torch.float32)
+        native_avx2.loaded().dspark_avx2_markov_greedy(
+            anchors.data_ptr(), base.data_ptr(), base.stride(0), base.stride(1), r, n, vd, w1.data_ptr(), w1.shape[1],
+            rows.packed.data_ptr(), rows._rows, None if conf is None else conf.data_ptr(),
+            None if d2t is None else d2t.data_ptr(), tokens.data_ptr(), None if conf_out is None else conf_out.data_ptr(),
+            scratch.data_ptr(), torch.get_num_threads())
+        return tokens, conf_out
 
     def _attention(self, layer: _Layer, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None,
                    cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """dspark's AVX2 kernels, for CPUs with AVX2 and FMA (the ones where the AVX-512 kernels, native.py, cannot run
 among them), on fp32 rows: 4-bit and 8-bit grouped-weight matmuls (csrc/avx2_mm.c), attention one query row
 at a time (csrc/avx2_attention.c), RMSNorm + residual, SiLU gating and RoPE + cache write
-(csrc/avx2_layer_ops.c), a decoder layer as one call (csrc/avx2_layer.c), and a whole target step of one sequence
-or of several sequences' windows as one call (csrc/avx2_step.c).
+(csrc/avx2_layer_ops.c), a decoder layer as one call (csrc/avx2_layer.c), a whole target step of one sequence
+or of several sequences' windows as one call (csrc/avx2_step.c), and a drafter's block-pass layer, context
+projection and greedy Markov picks as one call each (csrc/avx2_drafter.c).
 
 There the model runs in fp32 (bf16 arithmetic is slow without AVX-512-bf16), and its linears would be fp32
 matmuls: the embedded model's decode step read ~540 MB of weights, and its matmuls took ~80% of the step.
@@ -24,7 +25,7 @@ import torch
 from dspark.models import native
 
 SOURCES = [native.CSRC / name for name in ("avx2_mm.c", "avx2_attention.c", "avx2_layer_ops.c", "avx2_layer.c",
-                                           "avx2_step.c")]
+                                           "avx2_step.c", "avx2_drafter.c")]
 FLAGS = ["-O3", "-std=gnu11", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-lm"]
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _MM_ARGS = [_P, _I64, _I64, _P, _I64, _P, _INT]
@@ -74,7 +75,15 @@ def library() -> ctypes.CDLL | None:
                                       _P, ctypes.c_float, _P, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _P,
                                       _P, _I64, _P, _P, ctypes.c_float, _P, _I64, _P, _I64, _P, _INT])
     lib.dspark_avx2_step.restype = _INT
-    for name in ("dspark_avx2_add_rmsnorm", "dspark_avx2_silu_mul", "dspark_avx2_rope_store", "dspark_avx2_layer"):
+    _F = ctypes.c_float
+    lib.dspark_avx2_drafter_layer.argtypes = ([_P, _P, _P, _P, _I64, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _P, _P, _F]
+                                              + [_I64] * 4 + [_P, _P, _P, _F, _P, _I64, _I64, _P, _P, _P, _P, _INT])
+    lib.dspark_avx2_drafter_context.argtypes = [_P, _I64, _I64, _I64, _P, _P, _F, _P, _I64, _I64, _I64, _P, _F, _P, _P,
+                                                _P, _P, _P, _INT]
+    lib.dspark_avx2_markov_greedy.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P,
+                                              _P, _INT]
+    for name in ("dspark_avx2_add_rmsnorm", "dspark_avx2_silu_mul", "dspark_avx2_rope_store", "dspark_avx2_layer",
+                 "dspark_avx2_drafter_layer", "dspark_avx2_drafter_context", "dspark_avx2_markov_greedy"):
         getattr(lib, name).restype = None
     _lib, _key = lib, key
     return _lib
