@@ -39,6 +39,22 @@ def _fed_caches(drafter, n: int, context: int, fed: int, gen: torch.Generator):
     return caches, hidden
 
 
+def fused_flags(runner) -> tuple[bool, bool]:
+    """(layers fused, context fused) of a drafter's runner, on whichever kernels it drafts: dspark's AVX-512 ones
+    (bf16) or the AVX2 ones (fp32)."""
+    if runner._native:
+        return runner._fused_layers, runner._fused_context
+    return runner._avx2_layers, runner._avx2_context
+
+
+def set_fused(runner, flags: tuple[bool, bool]) -> None:
+    """fused_flags()' inverse: switch a runner's fused layers and context projection on or off."""
+    if runner._native:
+        runner._fused_layers, runner._fused_context = flags
+    else:
+        runner._avx2_layers, runner._avx2_context = flags
+
+
 def round_seconds(routes: dict, dec, sizes: list[int], repeats: int, num_drafts: int | None,
                   context: int = 256, fed: int = 2, hot: bool = False) -> tuple[float, dict]:
     """(median step seconds, {(route, size): median round seconds}), routes interleaved round by round.
@@ -57,7 +73,7 @@ def round_seconds(routes: dict, dec, sizes: list[int], repeats: int, num_drafts:
             for name, (drafter, flags) in routes.items():
                 caches, hidden = state[drafter]
                 runner = drafter.runner()
-                runner._fused_layers, runner._fused_context = flags
+                set_fused(runner, flags)
                 for r in sizes:
                     step = _time_step(dec, target, [1], context, gen)
                     for label in (name, f"{name} hot") if hot else (name,):
@@ -131,20 +147,20 @@ def main() -> None:
     llm = LLM(speculative_algorithm="DSPARK", planner="fixed")
     drafter, dec = llm.engine.proposer.drafter, llm.engine.model
     runner = drafter.runner()
-    routes = {"kernels": (drafter, (runner._fused_layers, runner._fused_context))}
+    routes = {"kernels": (drafter, fused_flags(runner))}
     if args.compare:
         routes["per-op"] = (drafter, (False, False))
     if args.four_bit:
         w4 = copy.deepcopy(drafter).pack(weight_bits=4)
-        routes["4-bit"] = (w4, (w4.runner()._fused_layers, w4.runner()._fused_context))
+        routes["4-bit"] = (w4, fused_flags(w4.runner()))
     for path in args.draft_model:  # built as the engine builds its drafter, on the same target
         spec = dataclasses.replace(llm.config.speculative, draft_model=path)
         other = build_proposer(spec, llm.decoder, llm.model_path).drafter
         c = other.config
         name = f"{path} ({c.num_layers} layers, Markov rank {c.markov_rank})"
-        routes[name] = (other, (other.runner()._fused_layers, other.runner()._fused_context))
-    print(f"weights: {dec.weight_format}; drafter layers fused: {runner._fused_layers or runner._avx2_layers}, "
-          f"context fused: {runner._fused_context or runner._avx2_context}")
+        routes[name] = (other, fused_flags(other.runner()))
+    layers, context = fused_flags(runner)
+    print(f"weights: {dec.weight_format}; drafter layers fused: {layers}, context fused: {context}")
     for n in (None, 1):
         step, rounds = round_seconds(routes, dec, sizes, args.repeats, n, hot=args.hot)
         label = "whole block" if n is None else "one draft"

@@ -180,7 +180,8 @@ def test_fp32_drafter_runs_its_layers_and_context_in_one_call_each(head_dim):
     calls = model.runner()
     assert calls._avx2_layers and calls._avx2_context and calls._kernel_ctx and not calls._native
     by_ops = DraftRunner(model, pack=True)
-    by_ops._avx2_layers = by_ops._avx2_context = by_ops._kernel_ctx = False
+    by_ops._avx2_layers = by_ops._avx2_context = False  # the op-by-op route, context layout included
+    assert not by_ops._kernel_ctx
     feats = torch.randn(40, 2 * 64, generator=torch.Generator().manual_seed(4))
     # the context projection: the same kernels as op by op but RoPE and the keys' norm, so all but equal
     torch.testing.assert_close(calls.context_kv(feats, torch.arange(40)), by_ops.context_kv(feats, torch.arange(40)),

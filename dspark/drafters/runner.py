@@ -179,7 +179,6 @@ class DraftRunner:
         self._avx2_layers = avx2 and all(_fusable(layer, c.head_dim, False, True) for layer in self.layers)
         self._avx2_context = (avx2 and c.head_dim % 16 == 0 and c.head_dim <= 256
                               and all(_on_kernel(lin, False, True) for lin in (self.fc, self.ctx_kv)))
-        self._kernel_ctx = self._native or self._avx2_layers  # _context's layout: a cache pool per layer, fp32
         # greedy picks through the vanilla Markov head in one call on fp32 rows (csrc/avx2_drafter.c)
         self._avx2_chain = (avx2 and isinstance(self.token_rows, Q8Linear) and self.token_rows.avx2
                             and self.token_rows.bias is None and mh.markov_w1.weight.dtype == torch.float32)
@@ -191,6 +190,13 @@ class DraftRunner:
                            native.markov_pack(native.library(), mh.markov_w2.weight),
                            None if w_tok is None else w_tok[0].to(torch.bfloat16).contiguous())
         self._plan = self._block_plan()  # greedy_block()'s weights, or None where its one call does not run
+
+    @property
+    def _kernel_ctx(self) -> bool:
+        """Whether the block pass runs on the kernels (_backbone_on_kernels), and _context lays the requests' context
+        out as a cache pool per layer in fp32: dspark's AVX-512 kernels, or the AVX2 drafter layers. Read from the
+        flags each time, so a test or benchmark that switches one off gets the op-by-op route whole."""
+        return self._native or self._avx2_layers
 
     def _block_plan(self) -> "native.DraftWeights | None":
         """The fixed arguments of dspark_draft_block (csrc/draft_block.c) for greedy_block(), or None unless
