@@ -2,7 +2,7 @@
 cached tokens, on the default load of the embedded model (or --model / --dtype), medians of --repeats. Run the
 same command on two trees in turn (PYTHONPATH=<tree>) to compare code side by side.
 
-    .venv/bin/python bench/step_shapes.py [--shapes '1;8;1x8;1x32;1,3,8,2,1,5,8,1;8x8'] [--context 256] [--repeats 15]
+    .venv/bin/python bench/step_shapes.py [--shapes '1;8;8x1;32x1;1,3,8,2,1,5,8,1;8x8'] [--context 256] [--repeats 15]
 
 A shape is a comma list of window lengths, one per sequence, or NxK for N sequences of K tokens."""
 from __future__ import annotations
@@ -34,7 +34,12 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    shapes = {s: parse_shape(s) for s in args.shapes.split(";")}
+    try:
+        shapes = {s: parse_shape(s) for s in args.shapes.split(";")}
+    except ValueError:
+        ap.error(f"--shapes {args.shapes!r}: each shape is a comma list of token counts or NxK")
+    if any(not lens or min(lens) < 1 or len(lens) > 256 for lens in shapes.values()) or args.repeats < 1:
+        ap.error("every shape needs 1 to 256 sequences of at least one token, and --repeats at least 1")
     llm = LLM(model=args.model, dtype=args.dtype, speculative_algorithm="NONE", profile_progress=False)
     dec, ctx = llm.decoder, args.context
     most = max(len(lens) for lens in shapes.values())
