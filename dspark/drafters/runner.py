@@ -404,30 +404,18 @@ class DraftRunner:
         t, d, inter = x.shape[0], x.shape[1], self.layers[0].intermediate
         scratch = x.new_empty(t * (3 * d + (2 * h + 2 * hkv) * hd + 3 * inter))
         q_buf = torch.empty(t * h * hd, dtype=torch.float32)
-        if self._avx2_layers:
-            for i, layer in enumerate(self.layers):
-                nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else dr.norm
-                x_out, xn_out = torch.empty_like(x), torch.empty_like(x)
-                native_avx2.loaded().dspark_avx2_drafter_layer(
-                    x.data_ptr(), xn.data_ptr(), x_out.data_ptr(), xn_out.data_ptr(), r, g, d,
-                    layer.post_norm._cached_weight(None).data_ptr(), nxt._cached_weight(None).data_ptr(),
-                    layer.post_norm.eps, layer.qkv.packed.data_ptr(), layer.o.packed.data_ptr(),
-                    layer.gate_up.packed.data_ptr(), layer.down.packed.data_ptr(),
-                    None if layer.q_norm is None else layer.q_norm._cached_weight(None).data_ptr(),
-                    None if layer.k_norm is None else layer.k_norm._cached_weight(None).data_ptr(),
-                    1e-6 if layer.q_norm is None else layer.q_norm.eps, h, hkv, hd, inter, pos.data_ptr(),
-                    cos.data_ptr(), sin.data_ptr(), hd ** -0.5, ctx[i].data_ptr(), ctx.shape[4], ctx.shape[4],
-                    slots.data_ptr(), mask.data_ptr(), scratch.data_ptr(), q_buf.data_ptr(), torch.get_num_threads())
-                x, xn = x_out, xn_out
-            return xn
-        widest = max(d, h * hd, inter)
-        xq = torch.empty(t * widest, dtype=torch.int8)
-        e = torch.empty(t * widest // Q8_GROUP, dtype=torch.float32)
-        sx = torch.empty(t * widest // Q8_GROUP, dtype=torch.int32)
+        if self._avx2_layers:  # the AVX2 call takes no 8-bit row scratch (its matmuls round rows themselves)
+            call, extra = native_avx2.loaded().dspark_avx2_drafter_layer, []
+        else:
+            widest = max(d, h * hd, inter)
+            xq = torch.empty(t * widest, dtype=torch.int8)
+            e = torch.empty(t * widest // Q8_GROUP, dtype=torch.float32)
+            sx = torch.empty(t * widest // Q8_GROUP, dtype=torch.int32)
+            call, extra = lib.dspark_drafter_layer, [xq.data_ptr(), e.data_ptr(), sx.data_ptr(), int(self._w4)]
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else dr.norm
             x_out, xn_out = torch.empty_like(x), torch.empty_like(x)
-            lib.dspark_drafter_layer(
+            call(
                 x.data_ptr(), xn.data_ptr(), x_out.data_ptr(), xn_out.data_ptr(), r, g, d,
                 layer.post_norm._cached_weight(None).data_ptr(), nxt._cached_weight(None).data_ptr(),
                 layer.post_norm.eps, layer.qkv.packed.data_ptr(), layer.o.packed.data_ptr(),
@@ -436,9 +424,8 @@ class DraftRunner:
                 None if layer.k_norm is None else layer.k_norm._cached_weight(None).data_ptr(),
                 1e-6 if layer.q_norm is None else layer.q_norm.eps, h, hkv, hd, inter, pos.data_ptr(),
                 cos.data_ptr(), sin.data_ptr(), hd ** -0.5, ctx[i].data_ptr(), ctx.shape[4], ctx.shape[4],
-                slots.data_ptr(),
-                mask.data_ptr(), scratch.data_ptr(), q_buf.data_ptr(), xq.data_ptr(), e.data_ptr(), sx.data_ptr(),
-                int(self._w4), torch.get_num_threads())
+                slots.data_ptr(), mask.data_ptr(), scratch.data_ptr(), q_buf.data_ptr(), *extra,
+                torch.get_num_threads())
             x, xn = x_out, xn_out
         return xn
 

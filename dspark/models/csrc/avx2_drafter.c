@@ -4,20 +4,8 @@
  * Why: an fp32 drafter ran its block pass op by op, and on a 2-core Zen 1 the Python and PyTorch ops around its
  * matmuls took ~7.6 ms of an ~11.3 ms drafting round, as long as a target step.
  */
+#include "avx2.h"
 #include <stdint.h>
-
-void dspark_avx2_q8_mm(const float *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, float *y,
-                       int threads);
-void dspark_avx2_add_rmsnorm(const float *x, const float *residual, float *sum, const float *w, float eps, float *out,
-                             int64_t rows, int64_t d, int threads);
-void dspark_avx2_silu_mul(const float *gu, float *out, int64_t rows, int64_t n, int threads);
-void dspark_avx2_rope_store(const float *qkv, const int64_t *pos, const float *cos_t, const float *sin_t,
-                            float q_scale, int64_t t_len, int64_t h, int64_t hkv, int64_t hd, float *q_out,
-                            float *pool, int64_t pool_rows, const int64_t *slot, int threads);
-void dspark_avx2_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, const float *k, const float *v,
-                           int64_t kvsh, int64_t kvsb, const uint8_t *mask, float *out, int64_t osb, int64_t osh,
-                           int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len,
-                           int64_t hd, int threads);
 
 /* Per-head RMSNorm of the q heads (gains wq) and k heads (wk) of fused qkv rows [t, h + 2 hkv, hd] fp32, in place:
  * the RMSNorm kernel over each row's heads, as the drafter's q_norm / k_norm modules run it op by op. */

@@ -6,25 +6,9 @@
  * Why: at batch 1 on a 2-core Zen 1 the Python between a layer's ~10 kernel calls (tensor allocation, views,
  * ctypes) cost about as much as the kernels did.
  */
+#include "avx2.h"
 #include <stdint.h>
 #include <string.h>
-
-void dspark_avx2_add_rmsnorm(const float *x, const float *residual, float *sum, const float *w, float eps, float *out,
-                             int64_t rows, int64_t d, int threads);
-void dspark_avx2_silu_mul(const float *gu, float *out, int64_t rows, int64_t n, int threads);
-void dspark_avx2_rope_store(const float *qkv, const int64_t *pos, const float *cos_t, const float *sin_t,
-                            float q_scale, int64_t t_len, int64_t h, int64_t hkv, int64_t hd, float *q_out,
-                            float *pool, int64_t pool_rows, const int64_t *slot, int threads);
-void dspark_avx2_attention(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, const float *k, const float *v,
-                           int64_t kvsh, int64_t kvsb, const uint8_t *mask, float *out, int64_t osb, int64_t osh,
-                           int64_t osq, int64_t b_len, int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len,
-                           int64_t hd, int threads);
-void dspark_avx2_attention_paged(const float *q, int64_t qsb, int64_t qsh, int64_t qsq, const float *k, const float *v,
-                                 int64_t kvsh, const int64_t *krows, const int64_t *q_off, const int64_t *q_lens,
-                                 const uint8_t *mask, float *out, int64_t osb, int64_t osh, int64_t osq, int64_t b_len,
-                                 int64_t h_len, int64_t hkv, int64_t q_len, int64_t s_len, int64_t hd, int threads);
-void dspark_avx2_int4_mm(const float *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, float *y,
-                         int threads);
 
 /* x [t, d] fp32 -> x_out [t, d] fp32 (x is left as it is): layer.c's layer() with fp32 rows and an fp32 cache; the
  * four projections packed by int4.pack_for_kernel with quads (no biases). One sequence (krows NULL): its keys are

@@ -7,21 +7,10 @@
  * Why: on a 2-core Zen 1 the Python around 30 layer calls cost ~1 ms of a ~13 ms batch-1 step, and a step of
  * several sequences ran layer by layer, ~10 PyTorch ops and a dozen kernel calls per layer.
  */
+#include "avx2.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-void dspark_avx2_layers(const float *x, float *x_out, float *x_tmp, int64_t n_layers, const void *const *w, int64_t t,
-                        int64_t d, float eps, int64_t h, int64_t hkv, int64_t hd, int64_t inter, const int64_t *pos,
-                        const float *cos_t, const float *sin_t, float q_scale, float *pool, int64_t layer_stride,
-                        int64_t pool_rows, const int64_t *slot, int64_t kv_start, const int64_t *krows,
-                        const int64_t *q_off, const int64_t *q_lens, int64_t b_len, int64_t q_max, const uint8_t *mask,
-                        int64_t s_len, float *scratch, float *q_buf, const int64_t *taps, float *hidden,
-                        int64_t hidden_ld, int threads);
-void dspark_avx2_add_rmsnorm(const float *x, const float *residual, float *sum, const float *w, float eps, float *out,
-                             int64_t rows, int64_t d, int threads);
-void dspark_avx2_q8_mm(const float *x, int64_t rows, int64_t k, const uint8_t *packed, int64_t n, float *y,
-                       int threads);
 
 /* ids [t] (each in [0, vocab)) embedded from embed [vocab, d] fp32, then dspark_avx2_layers (its arguments: the
  * layers' weights w, RoPE, the fp32 cache: one sequence's keys from kv_start, or b_len sequences' windows (q_off,
