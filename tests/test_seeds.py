@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.sampling.keyed import accept_keyed, couple_drafts, position_noise, sample_keyed
+from dspark.sampling.keyed import accept_keyed, couple_drafts, position_noise, sample_keyed, token_noise
+from dspark.sampling.sampler import warp_candidates, warp_probs
 from test_speculative import drafters, sps_file  # noqa: F401 - fixtures
 
 PROMPT = [99, 98, 97, 96, 95, 94]
@@ -65,3 +66,27 @@ def test_keyed_sampling_units():
     point = torch.zeros(1, 50)
     point[0, 4] = 1.0
     assert sample_keyed(point, seed=1, position=0) == [4]  # zero-probability tokens never win
+
+
+def test_a_tokens_noise_depends_on_its_id_alone():
+    """token_noise for a row's candidates is the whole vocabulary's noise at those ids, and it is Exp(1)."""
+    full = position_noise(5, [3, 4], 1000)
+    ids = torch.tensor([[999, 0, 17, 500], [2, 999, 3, 0]])
+    assert torch.equal(token_noise(5, [3, 4], ids), full.gather(1, ids))
+    assert torch.equal(token_noise(5, [4], torch.tensor([7, 8])), full[1:, 7:9])
+    big = position_noise(1, range(20), 50_000).flatten()
+    assert abs(big.mean().item() - 1) < 0.01 and abs((big > 1).float().mean().item() - 0.3679) < 0.005
+    assert abs(torch.corrcoef(torch.stack([big[:-1], big[1:]]))[0, 1].item()) < 0.01  # neighbouring ids
+
+
+def test_a_race_among_the_top_k_picks_what_the_whole_vocabulary_would():
+    """The engine samples a seeded request among its top-k candidates (warp_candidates); the token is the
+    one the race over every token id with warp_probs' distribution picks."""
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(2)) * 3
+    for seed in range(40):
+        for top_k, top_p in ((20, 1.0), (50, 0.8), (1, 1.0)):
+            probs, ids = warp_candidates(logits, 0.7, top_k, top_p)
+            assert ids is not None and ids.shape[1] >= top_k
+            full = warp_probs(logits, 0.7, top_k, top_p)
+            assert sample_keyed(probs, seed, 3, ids) == sample_keyed(full, seed, 3), (seed, top_k, top_p)
+            assert accept_keyed([], probs[:1], seed, 3, ids[:1]).tokens == sample_keyed(full[:1], seed, 3)

@@ -24,7 +24,7 @@ from dspark.models.decoder import Decoder
 from dspark.outputs import RequestOutput
 from dspark.sampling.keyed import accept_keyed, couple_drafts, sample_keyed
 from dspark.sampling.rejection import Acceptance, accept_greedy, accept_sampled
-from dspark.sampling.sampler import sample, warp_probs
+from dspark.sampling.sampler import sample_logits, warp_candidates, warp_probs
 from dspark.sampling_params import SamplingParams
 from dspark.speculative.config import VerifyMode
 from dspark.speculative.planners import FixedPlanner
@@ -293,9 +293,10 @@ class LLMEngine:
         p = seq.params
         if p.greedy:
             return accept_greedy(drafts, logits)
-        target = warp_probs(logits, p.temperature, p.top_k, p.top_p)
         if _keyed(p):  # the next token is at output position len(output_token_ids)
-            return accept_keyed(drafts, target, p.seed, len(seq.output_token_ids))
+            target, ids = warp_candidates(logits, p.temperature, p.top_k, p.top_p)
+            return accept_keyed(drafts, target, p.seed, len(seq.output_token_ids), ids)
+        target = warp_probs(logits, p.temperature, p.top_k, p.top_p)
         if draft_probs is None:  # a deterministic proposer: the draft distribution is a point mass
             draft_probs = torch.zeros(len(drafts), target.shape[1])
             draft_probs[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)] = 1.0
@@ -305,10 +306,10 @@ class LLMEngine:
         p = seq.params
         if p.greedy:
             return logits.argmax(-1).tolist()
-        probs = warp_probs(logits, p.temperature, p.top_k, p.top_p)
         if _keyed(p):
-            return sample_keyed(probs, p.seed, len(seq.output_token_ids))
-        return sample(probs, seq.generator).tolist()
+            probs, ids = warp_candidates(logits, p.temperature, p.top_k, p.top_p)
+            return sample_keyed(probs, p.seed, len(seq.output_token_ids), ids)
+        return sample_logits(logits, p.temperature, p.top_k, p.top_p, seq.generator).tolist()
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> int:
         n = commit_tokens(seq, tokens, eos_ids=self.eos_ids, max_model_len=self.max_model_len,

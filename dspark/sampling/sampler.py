@@ -59,11 +59,19 @@ def warp_top_k(logits: torch.Tensor, temperature: float, top_k: int,
     return warp_probs(vals, 1.0, -1, top_p), ids
 
 
+def warp_candidates(logits: torch.Tensor, temperature: float, top_k: int = -1,
+                    top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """warp_probs' distribution on each row's candidates: (probs [N, m], token ids [N, m]) over the top-k
+    (warp_top_k) where top_k is set, else (probs [N, V], None) over the whole vocabulary."""
+    if 0 < top_k < logits.shape[-1]:
+        return warp_top_k(logits, temperature, top_k, top_p)
+    return warp_probs(logits, temperature, top_k, top_p), None
+
+
 def sample_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                   generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of logits [N, V] from warp_probs' distribution -> [N] (int64); among the top-k
-    candidates only where top_k is set (warp_top_k)."""
-    if not 0 < top_k < logits.shape[-1]:
-        return sample(warp_probs(logits, temperature, top_k, top_p), generator)
-    probs, ids = warp_top_k(logits, temperature, top_k, top_p)
-    return ids.gather(-1, sample(probs, generator).unsqueeze(-1)).squeeze(-1)
+    candidates only where top_k is set (warp_candidates)."""
+    probs, ids = warp_candidates(logits, temperature, top_k, top_p)
+    tokens = sample(probs, generator)
+    return tokens if ids is None else ids.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
