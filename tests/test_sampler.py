@@ -39,3 +39,20 @@ def test_samples_follow_the_warped_distribution():
 def test_top_k_outside_the_vocabulary_is_refused(top_k):
     with pytest.raises(ValueError, match="top_k"):
         warp_top_k(torch.randn(2, 64), 1.0, top_k)
+
+
+def test_drafter_picks_report_the_distribution_they_were_drawn_from():
+    """The drafter's sampled rows draw among their top-k candidates; the distribution it reports (the q of
+    rejection sampling) is warp_probs' full row, and greedy rows stay one-hot argmaxes."""
+    from dspark.drafters.model import _choose
+
+    z = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 3
+    gens = [torch.Generator().manual_seed(i) for i in range(6)]
+    mixed = [(0.7, 20, 0.8), (0.0, -1, 1.0), (1.0, -1, 0.9), (0.5, 5, 1.0)] + [(0.0, -1, 1.0)] * 2
+    for params in ([(0.7, 20, 0.8)] * 6, mixed):
+        ids, probs = _choose(z, params, gens)
+        for i, (t, k, p) in enumerate(params):
+            want = warp_probs(z[i:i + 1], t, k, p)[0] if t > 0 else torch.eye(300)[z[i].argmax()]
+            torch.testing.assert_close(probs[i], want, atol=1e-6, rtol=1e-5)
+            assert probs[i, ids[i]] > 0
+    assert _choose(z, [(0.0, -1, 1.0)] * 6, gens)[1] is None

@@ -90,3 +90,4 @@ def test_a_race_among_the_top_k_picks_what_the_whole_vocabulary_would():
             full = warp_probs(logits, 0.7, top_k, top_p)
             assert sample_keyed(probs, seed, 3, ids) == sample_keyed(full, seed, 3), (seed, top_k, top_p)
             assert accept_keyed([], probs[:1], seed, 3, ids[:1]).tokens == sample_keyed(full[:1], seed, 3)
+            assert couple_drafts(full, seed, 3) == sample_keyed(full, seed, 3)  # drafts race on q's support

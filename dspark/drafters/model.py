@@ -15,7 +15,7 @@ from dspark.drafters.cache import DrafterCache
 from dspark.drafters.config import DrafterConfig
 from dspark.drafters.heads import ConfidenceHead, MarkovHead, biased_logits
 from dspark.drafters.runner import DraftRunner
-from dspark.sampling.sampler import sample, warp_probs
+from dspark.sampling.sampler import sample, warp_candidates
 
 
 @dataclass
@@ -319,17 +319,30 @@ def _per_row(r: int, temperature: Any, top_k: Any, top_p: Any) -> list[tuple[flo
 
 def _choose(z: torch.Tensor, params: list[tuple[float, int, float]],
             gens: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pick one draft id per row of z [R, Vd]: argmax when greedy, else sample the warped distribution."""
+    """Pick one draft id per row of z [R, Vd]: argmax when greedy, else sample the warped distribution
+    (among the row's top-k candidates where top_k is set: warp_candidates) -> ids [R], and the
+    distributions they were drawn from [R, Vd] (one-hot for greedy rows), or None when every row is greedy."""
     ids = z.argmax(-1)
     if all(t <= 0 for t, _, _ in params):
         return ids, None
     probs = torch.zeros_like(z).scatter_(-1, ids.unsqueeze(-1), 1.0)  # greedy rows: one-hot
     uniform = len(set(params)) == 1
-    warped = warp_probs(z, *params[0]) if uniform else None
+    warped = warp_candidates(z, *params[0]) if uniform else None
     for i, (t, k, p) in enumerate(params):
         if t <= 0:
             continue
-        row = warped[i:i + 1] if warped is not None else warp_probs(z[i:i + 1], t, k, p)
-        probs[i] = row[0]
-        ids[i] = sample(row, gens[i])[0]
+        row, cand = (warped[0][i:i + 1], None if warped[1] is None else warped[1][i]) if warped is not None \
+            else _first(warp_candidates(z[i:i + 1], t, k, p))
+        pick = int(sample(row, gens[i])[0])
+        if cand is None:
+            probs[i], ids[i] = row[0], pick
+        else:
+            probs[i].zero_().scatter_(0, cand, row[0].to(probs.dtype))
+            ids[i] = cand[pick]
     return ids, probs
+
+
+def _first(warped: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """warp_candidates of one row: (probs [1, m], that row's candidate ids [m] or None)."""
+    probs, cand = warped
+    return probs, None if cand is None else cand[0]

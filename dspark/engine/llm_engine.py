@@ -24,7 +24,7 @@ from dspark.models.decoder import Decoder
 from dspark.outputs import RequestOutput
 from dspark.sampling.keyed import accept_keyed, couple_drafts, sample_keyed
 from dspark.sampling.rejection import Acceptance, accept_greedy, accept_sampled
-from dspark.sampling.sampler import sample_logits, warp_candidates, warp_probs
+from dspark.sampling.sampler import sample_logits, warp_candidates
 from dspark.sampling_params import SamplingParams
 from dspark.speculative.config import VerifyMode
 from dspark.speculative.planners import FixedPlanner
@@ -296,7 +296,9 @@ class LLMEngine:
         if _keyed(p):  # the next token is at output position len(output_token_ids)
             target, ids = warp_candidates(logits, p.temperature, p.top_k, p.top_p)
             return accept_keyed(drafts, target, p.seed, len(seq.output_token_ids), ids)
-        target = warp_probs(logits, p.temperature, p.top_k, p.top_p)
+        target, ids = warp_candidates(logits, p.temperature, p.top_k, p.top_p)
+        if ids is not None:  # the top-k candidates' probabilities in full rows (everything else is 0)
+            target = torch.zeros(logits.shape, dtype=target.dtype, device=target.device).scatter_(-1, ids, target)
         if draft_probs is None:  # a deterministic proposer: the draft distribution is a point mass
             draft_probs = torch.zeros(len(drafts), target.shape[1])
             draft_probs[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)] = 1.0

@@ -96,5 +96,10 @@ def accept_keyed(draft_tokens: Sequence[int], target_probs: torch.Tensor, seed: 
 
 def couple_drafts(draft_probs: torch.Tensor, seed: int, position: int) -> list[int]:
     """Drafts [l] re-chosen from their distributions q [l, V] with the target's noise for the same
-    positions, so each matches the target's keyed token whenever the two races agree."""
+    positions, so each matches the target's keyed token whenever the two races agree. The race runs among
+    the rows' nonzero entries alone (a top-k warped q has a few dozen), which picks what the whole row would."""
+    support = int((draft_probs > 0).sum(-1).max()) if draft_probs.numel() else 0
+    if 0 < support < draft_probs.shape[-1]:
+        probs, ids = draft_probs.topk(support, dim=-1)
+        return sample_keyed(probs, seed, position, ids)
     return sample_keyed(draft_probs, seed, position)
