@@ -293,10 +293,9 @@ class LLMEngine:
         p = seq.params
         if p.greedy:
             return accept_greedy(drafts, logits)
-        if _keyed(p):  # the next token is at output position len(output_token_ids)
-            target, ids = warp_candidates(logits, p.temperature, p.top_k, p.top_p)
-            return accept_keyed(drafts, target, p.seed, len(seq.output_token_ids), ids)
         target, ids = warp_candidates(logits, p.temperature, p.top_k, p.top_p)
+        if _keyed(p):  # the next token is at output position len(output_token_ids)
+            return accept_keyed(drafts, target, p.seed, len(seq.output_token_ids), ids)
         if ids is not None:  # the top-k candidates' probabilities in full rows (everything else is 0)
             target = torch.zeros(logits.shape, dtype=target.dtype, device=target.device).scatter_(-1, ids, target)
         if draft_probs is None:  # a deterministic proposer: the draft distribution is a point mass
