@@ -1,8 +1,8 @@
-"""Sampled generation speed: requests at T 0.7, top-p 0.8, top-k 20 through the engine, seeded (keyed draws,
+"""Sampled generation speed: requests at T 0.7, top-p 0.8, top-k 20 (or --top-k) through the engine, seeded (keyed draws,
 sampling/keyed.py) or not (rejection sampling), plain or with DSpark speculation verifying every draft, and
 the engine's counters. Run it under two trees (PYTHONPATH=<tree>) on idle cores to compare sampling code.
 
-    .venv/bin/python bench/sampled_speed.py [--seeded] [--speculative] [--prompts 16] [--max-tokens 128]
+    .venv/bin/python bench/sampled_speed.py [--seeded] [--speculative] [--prompts 16] [--max-tokens 128] [--top-k 20]
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def main() -> None:
                     help="the shipped DSpark drafter, gamma 7, every draft verified")
     ap.add_argument("--prompts", type=int, default=16, help="requests, all at once (max_num_seqs)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=20, help="-1: top-p alone")
     args = ap.parse_args()
     spec = dict(speculative_algorithm="DSPARK", verify_mode="static", num_speculative_tokens=7) \
         if args.speculative else {}
@@ -33,14 +34,14 @@ def main() -> None:
     ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
                                              add_generation_prompt=True) for t in texts]
     ids = [list(getattr(x, "input_ids", x)) for x in ids]
-    params = [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=args.max_tokens, ignore_eos=True,
+    params = [SamplingParams(temperature=0.7, top_p=0.8, top_k=args.top_k, max_tokens=args.max_tokens, ignore_eos=True,
                              seed=j if args.seeded else None) for j in range(len(ids))]
     t0 = time.perf_counter()
     outs = llm.generate(ids, params)
     wall = time.perf_counter() - t0
     n = sum(len(o.token_ids) for o in outs)
     s = llm.engine.stats
-    print(json.dumps({"seeded": args.seeded, "speculative": args.speculative, "requests": len(ids), "tokens": n,
+    print(json.dumps({"top_k": args.top_k, "seeded": args.seeded, "speculative": args.speculative, "requests": len(ids), "tokens": n,
                       "seconds": round(wall, 1), "tokens_per_s": round(n / wall, 1), "rounds": s.rounds,
                       "accepted": s.accepted, "time_draft": round(s.time_draft, 1),
                       "time_verify": round(s.time_verify, 1)}))

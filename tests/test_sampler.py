@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dspark.sampling.sampler import sample_logits, warp_probs, warp_top_k
+from dspark.sampling.sampler import sample_logits, warp_candidates, warp_probs, warp_top_k
 
 
 def _scatter(probs: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -56,3 +56,25 @@ def test_drafter_picks_report_the_distribution_they_were_drawn_from():
             torch.testing.assert_close(probs[i], want, atol=1e-6, rtol=1e-5)
             assert probs[i, ids[i]] > 0
     assert _choose(z, [(0.0, -1, 1.0)] * 6, gens)[1] is None
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 4.0])
+def test_nucleus_candidates_are_warp_probs_top_p(scale):
+    """Top-p without top-k runs on the nucleus alone (warp_nucleus): the same kept tokens as warp_probs' sort
+    of the whole row, flat rows (nuclei past the first 64 candidates) and ties at the cut included."""
+    from dspark.sampling.sampler import warp_nucleus
+
+    g = torch.Generator().manual_seed(4)
+    for _ in range(20):
+        logits = torch.randn(3, 2000, generator=g) * scale
+        for top_p in (0.3, 0.8, 0.95):
+            probs, ids = warp_candidates(logits, 0.7, -1, top_p)
+            want = warp_probs(logits, 0.7, -1, top_p)
+            got = _scatter(probs, ids, 2000)
+            assert torch.equal(got > 0, want > 0)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    tied = torch.zeros(2, 500)
+    tied[0, :3] = 5.0  # the cut falls among three equal tokens: the lowest ids stay
+    tied[1, 10:300] = 1.0  # 290 tied tokens: more than the first candidates
+    probs, ids = warp_nucleus(tied, 1.0, 0.5)
+    assert torch.equal(_scatter(probs, ids, 500) > 0, warp_probs(tied, 1.0, -1, 0.5) > 0)

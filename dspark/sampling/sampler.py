@@ -59,12 +59,44 @@ def warp_top_k(logits: torch.Tensor, temperature: float, top_k: int,
     return warp_probs(vals, 1.0, -1, top_p), ids
 
 
+def warp_nucleus(logits: torch.Tensor, temperature: float, top_p: float,
+                 first: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """warp_probs' top-p distribution (no top-k) on each row's nucleus: (probs [N, m], token ids [N, m]),
+    the ids in ascending order, zero probability past the nucleus. The candidates are the row's `first`
+    largest logits, grown 4x until every row's nucleus ends inside them with no tie at its last value left
+    outside. The masses are warp_probs' own (a softmax of the whole row), so the cut falls where it does
+    there; a row's result does not depend on m or on the other rows."""
+    x = logits.float() / temperature
+    vocab = x.shape[-1]
+    full = torch.softmax(x, dim=-1)  # warp_probs' probabilities, so its cut and these agree
+    m = min(first, vocab)
+    while True:
+        vals, ids = torch.topk(x, m, dim=-1)
+        ids, by_id = ids.sort(-1)  # in id order, so that the stable sort below breaks ties by lowest id
+        vals = vals.gather(-1, by_id)
+        sorted_x, order = torch.sort(vals, dim=-1, descending=True, stable=True)
+        sorted_p = full.gather(-1, ids.gather(-1, order))
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # as warp_probs: the smallest prefix reaching top_p
+        drop[..., 0] = False
+        kept = (~drop).sum(-1, keepdim=True)  # [N, 1]
+        last = sorted_x.gather(-1, kept - 1)
+        if m == vocab or bool(((kept < m) & (sorted_x[:, -1:] < last)).all()):
+            break
+        m = min(4 * m, vocab)
+    keep = torch.zeros_like(drop).scatter_(-1, order, ~drop)
+    probs = torch.where(keep, full.gather(-1, ids), torch.zeros_like(vals))
+    return probs / probs.sum(-1, keepdim=True), ids
+
+
 def warp_candidates(logits: torch.Tensor, temperature: float, top_k: int = -1,
                     top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """warp_probs' distribution on each row's candidates: (probs [N, m], token ids [N, m]) over the top-k
-    (warp_top_k) where top_k is set, else (probs [N, V], None) over the whole vocabulary."""
+    (warp_top_k) where top_k is set, over the nucleus (warp_nucleus) where only top_p is, else (probs [N, V],
+    None) over the whole vocabulary."""
     if 0 < top_k < logits.shape[-1]:
         return warp_top_k(logits, temperature, top_k, top_p)
+    if top_p < 1.0:
+        return warp_nucleus(logits, temperature, top_p)
     return warp_probs(logits, temperature, top_k, top_p), None
 
 
