@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dspark.llm import LLM
 from dspark.sampling_params import SamplingParams
+from dspark.train.datagen import prompt_ids, read_prompt_file
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "eval" / "mt-bench.jsonl"
 
@@ -29,11 +30,7 @@ def main() -> None:
     spec = dict(speculative_algorithm="DSPARK", verify_mode="static", num_speculative_tokens=7) \
         if args.speculative else {}
     llm = LLM(None, max_num_seqs=args.prompts, kv_cache_mb=512, profile_progress=False, **spec)
-    lines = PROMPTS.read_text().splitlines()[:args.prompts]
-    texts = [json.loads(line)["turns"][0] for line in lines]
-    ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
-                                             add_generation_prompt=True) for t in texts]
-    ids = [list(getattr(x, "input_ids", x)) for x in ids]
+    ids = [prompt_ids(llm.tokenizer, p.text) for p in read_prompt_file(PROMPTS)[:args.prompts]]
     params = [SamplingParams(temperature=0.7, top_p=0.8, top_k=args.top_k, max_tokens=args.max_tokens, ignore_eos=True,
                              seed=j if args.seeded else None) for j in range(len(ids))]
     t0 = time.perf_counter()

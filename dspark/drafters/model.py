@@ -320,7 +320,7 @@ def _per_row(r: int, temperature: Any, top_k: Any, top_p: Any) -> list[tuple[flo
 def _choose(z: torch.Tensor, params: list[tuple[float, int, float]],
             gens: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pick one draft id per row of z [R, Vd]: argmax when greedy, else sample the warped distribution
-    (among the row's top-k candidates where top_k is set: warp_candidates) -> ids [R], and the
+    (among the row's top-k or nucleus candidates: warp_candidates) -> ids [R], and the
     distributions they were drawn from [R, Vd] (one-hot for greedy rows), or None when every row is greedy."""
     ids = z.argmax(-1)
     if all(t <= 0 for t, _, _ in params):
@@ -331,18 +331,12 @@ def _choose(z: torch.Tensor, params: list[tuple[float, int, float]],
     for i, (t, k, p) in enumerate(params):
         if t <= 0:
             continue
-        row, cand = (warped[0][i:i + 1], None if warped[1] is None else warped[1][i]) if warped is not None \
-            else _first(warp_candidates(z[i:i + 1], t, k, p))
+        (rows, cands), j = (warped, i) if warped is not None else (warp_candidates(z[i:i + 1], t, k, p), 0)
+        row = rows[j:j + 1]
         pick = int(sample(row, gens[i])[0])
-        if cand is None:
+        if cands is None:
             probs[i], ids[i] = row[0], pick
         else:
-            probs[i].zero_().scatter_(0, cand, row[0].to(probs.dtype))
-            ids[i] = cand[pick]
+            probs[i].zero_().scatter_(0, cands[j], row[0].to(probs.dtype))
+            ids[i] = cands[j, pick]
     return ids, probs
-
-
-def _first(warped: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """warp_candidates of one row: (probs [1, m], that row's candidate ids [m] or None)."""
-    probs, cand = warped
-    return probs, None if cand is None else cand[0]
